@@ -1,0 +1,37 @@
+"""EntroKV Edge: Page-EntroKV KV-cache eviction inside llama.cpp, driven from Python.
+
+Importing this package makes ``llama_cpp`` load our patched libllama; import it
+before ``llama_cpp``::
+
+    import entrokv_edge
+    from llama_cpp import Llama
+    llm = Llama("model.gguf", n_ctx=2048)
+    entrokv_edge.geometry(llm)
+"""
+from ._loader import LibraryMismatchError, ensure_llama_cpp
+
+llama_cpp = ensure_llama_cpp()
+
+from .bindings import (  # noqa: E402
+    EntroKVError,
+    KVGeometry,
+    KVLayer,
+    compact,
+    geometry,
+    n_refused,
+    true_positions,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EntroKVError",
+    "KVGeometry",
+    "KVLayer",
+    "LibraryMismatchError",
+    "compact",
+    "geometry",
+    "llama_cpp",
+    "n_refused",
+    "true_positions",
+]

@@ -1,0 +1,198 @@
+"""Typed Python wrappers over our C API, through cffi (ABI mode).
+
+The cdef is read from the installed header ``llama-entrokv.h`` itself, so the C
+header is the one place where the API is written down. The library is the same
+libllama that llama_cpp loaded (dlopen returns the same handle), so a
+``llama_cpp.Llama``'s context pointer can be handed to it directly.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+from cffi import FFI
+
+from .._paths import LIBLLAMA, include_dir, lib_dir
+
+# ggml_type ids of the cache types we report by name
+_GGML_TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16", 20: "iq4_nl"}
+
+
+def _cdef_source(header: str) -> str:
+    text = re.sub(r"#ifdef __cplusplus.*?#endif", "", header, flags=re.S)
+    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    return "struct llama_context;\ntypedef int32_t llama_seq_id;\n" + text.replace("LLAMA_API", "")
+
+
+@lru_cache(maxsize=None)
+def _api():
+    ffi = FFI()
+    ffi.cdef(_cdef_source((include_dir() / "llama-entrokv.h").read_text()))
+    lib = ffi.dlopen(str(lib_dir() / LIBLLAMA))
+    return ffi, lib
+
+
+class EntroKVError(RuntimeError):
+    """A refusal or failure of the native API; the cache is left as it was.
+
+    ``code`` is the negative ``llama_entrokv_status`` value, ``name`` its enum name.
+    """
+
+    def __init__(self, code: int, message: str):
+        ffi, lib = _api()
+        self.code = int(code)
+        self.name = next(
+            (n for n in dir(lib) if n.startswith("LLAMA_ENTROKV_ERR_") and getattr(lib, n) == code), "UNKNOWN"
+        )
+        self.message = message
+        super().__init__(f"{self.name}: {message}")
+
+
+def _check(rc: int) -> int:
+    if rc < 0:
+        ffi, lib = _api()
+        raise EntroKVError(rc, ffi.string(lib.llama_entrokv_last_error()).decode("utf-8", "replace"))
+    return rc
+
+
+def context_pointer(obj):
+    """A cffi ``struct llama_context *`` from a llama_cpp.Llama, its LlamaContext,
+    a ctypes pointer or an integer address."""
+    ffi, _ = _api()
+    for attr in ("ctx", "_ctx"):  # Llama.ctx, then LlamaContext.ctx
+        if hasattr(obj, attr) and not isinstance(obj, (int, ctypes.c_void_p)):
+            inner = getattr(obj, attr)
+            if inner is not None and inner is not obj:
+                return context_pointer(inner)
+    if isinstance(obj, int):
+        addr = obj
+    else:
+        try:
+            addr = ctypes.cast(obj, ctypes.c_void_p).value
+        except (TypeError, ctypes.ArgumentError) as e:
+            raise TypeError(f"cannot take a llama_context pointer from {type(obj).__name__}") from e
+    if not addr:
+        raise ValueError("the llama_context pointer is NULL (model closed?)")
+    return ffi.cast("struct llama_context *", addr)
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """One eligible KV layer: ``il`` is the model's layer id; slots
+    ``slot0 .. slot0 + n_head_kv - 1`` are its (layer, KV head) pairs."""
+
+    il: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    slot0: int
+    on_host: bool
+    k_bytes_per_cell: int
+    v_bytes_per_cell: int
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Geometry of the compactable (full-attention) KV cache of a context."""
+
+    n_layers: int
+    n_slots: int
+    kv_size: int
+    n_used: int
+    v_trans: bool
+    is_iswa: bool
+    type_k: str
+    type_v: str
+    n_compacted: int
+    n_compactions: int
+    pos_max: int
+    host_buffers: bool
+    layers: tuple[KVLayer, ...] = field(default_factory=tuple)
+
+    @property
+    def bytes_per_cell(self) -> int:
+        """K + V bytes of one cell summed over the eligible layers."""
+        return sum(l.k_bytes_per_cell + l.v_bytes_per_cell for l in self.layers)
+
+    def slot_layers(self) -> np.ndarray:
+        """int32 [n_slots]: the model layer id of each slot."""
+        return np.concatenate([np.full(l.n_head_kv, l.il, dtype=np.int32) for l in self.layers])
+
+    def slot_heads(self) -> np.ndarray:
+        """int32 [n_slots]: the KV head of each slot within its layer."""
+        return np.concatenate([np.arange(l.n_head_kv, dtype=np.int32) for l in self.layers])
+
+
+def geometry(llm) -> KVGeometry:
+    """Geometry of ``llm``'s KV cache (a llama_cpp.Llama or a context pointer)."""
+    ffi, lib = _api()
+    ctx = context_pointer(llm)
+    g = ffi.new("struct llama_entrokv_geometry *")
+    _check(lib.llama_entrokv_get_geometry(ctx, g))
+    layers = []
+    li = ffi.new("struct llama_entrokv_layer *")
+    for i in range(g.n_layers):
+        _check(lib.llama_entrokv_get_layer(ctx, i, li))
+        layers.append(KVLayer(li.il, li.n_head_kv, li.head_dim_k, li.head_dim_v, li.slot0,
+                              bool(li.on_host), int(li.k_bytes_per_cell), int(li.v_bytes_per_cell)))
+    return KVGeometry(
+        n_layers=g.n_layers, n_slots=g.n_slots, kv_size=g.kv_size, n_used=g.n_used,
+        v_trans=bool(g.v_trans), is_iswa=bool(g.is_iswa),
+        type_k=_GGML_TYPE_NAMES.get(g.type_k, str(g.type_k)), type_v=_GGML_TYPE_NAMES.get(g.type_v, str(g.type_v)),
+        n_compacted=g.n_compacted, n_compactions=g.n_compactions, pos_max=g.pos_max,
+        host_buffers=bool(g.host_buffers), layers=tuple(layers),
+    )
+
+
+def true_positions(llm) -> np.ndarray:
+    """int32 [n_slots, kv_size]: the true position of the token each cell holds for
+    each (layer, KV head) slot, -1 for empty cells."""
+    ffi, lib = _api()
+    ctx = context_pointer(llm)
+    g = ffi.new("struct llama_entrokv_geometry *")
+    _check(lib.llama_entrokv_get_geometry(ctx, g))
+    out = np.empty((g.n_slots, g.kv_size), dtype=np.int32)
+    _check(lib.llama_entrokv_true_pos(ctx, ffi.from_buffer("int32_t[]", out), out.size))
+    return out
+
+
+def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0, graph: bool = False) -> None:
+    """Compact ``llm``'s cache so that, for every slot ``s``, cells ``0..K-1`` hold
+    the tokens of cells ``keep[s]`` (strictly ascending, same length K for all slots).
+
+    ``keep`` is an int array [n_slots, K] or a sequence of n_slots 1-D lists (unequal
+    lengths are refused by the native code). ``graph=True`` forces the
+    backend-agnostic ggml path even for host buffers. Raises EntroKVError and
+    leaves the cache untouched on any bad input.
+    """
+    ffi, lib = _api()
+    ctx = context_pointer(llm)
+    if isinstance(keep, np.ndarray) and keep.ndim == 2:
+        rows = list(keep)
+    else:
+        rows = [np.asarray(r) for r in keep]
+    for r in rows:
+        if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
+            raise TypeError("each keep list must be a 1-D array of integer cell indices")
+        if r.size and (r.min() < np.iinfo(np.int32).min or r.max() > np.iinfo(np.int32).max):
+            raise ValueError("cell index outside int32")
+    lens = np.array([r.size for r in rows], dtype=np.int32)
+    flat = np.ascontiguousarray(np.concatenate(rows) if rows else np.zeros(0), dtype=np.int32)
+    if flat.size == 0:
+        flat = np.zeros(1, dtype=np.int32)  # a valid pointer; the length check refuses
+    if lens.size == 0:
+        lens = np.zeros(1, dtype=np.int32)
+    flags = lib.LLAMA_ENTROKV_COMPACT_GRAPH if graph else lib.LLAMA_ENTROKV_COMPACT_DEFAULT
+    _check(lib.llama_entrokv_compact(ctx, seq_id, len(rows), ffi.from_buffer("int32_t[]", lens),
+                                     ffi.from_buffer("int32_t[]", flat), flags))
+
+
+def n_refused(llm) -> int:
+    """Operations refused (since the context was created) because they would have
+    corrupted compacted cells (range seq_rm, seq_add, seq_div)."""
+    _, lib = _api()
+    return _check(lib.llama_entrokv_n_refused(context_pointer(llm)))

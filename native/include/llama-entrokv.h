@@ -1,0 +1,125 @@
+// EntroKV Edge: per-(layer, KV head) compaction of a llama.cpp KV cache.
+//
+// Our public C API on top of llama.cpp (commit 0c1e57098bba). It acts on the
+// llama_context that llama.cpp (or llama-cpp-python) already created. Every
+// call returns LLAMA_ENTROKV_OK (0) or a negative error code; on error the
+// cache is left exactly as it was and llama_entrokv_last_error() holds a
+// message (thread-local, valid until the next call on the same thread).
+//
+// Vocabulary
+//   eligible layer : a KV layer of the full-attention cache (for iswa models
+//                    such as Gemma 3 only the base cache; the SWA cache is
+//                    never touched).
+//   slot           : one (eligible layer, KV head) pair; slots are numbered
+//                    layer-major: all heads of eligible layer 0, then layer 1...
+//   cell           : a row of the KV cache (0 .. kv_size-1), shared by every
+//                    layer and head.
+//   true position  : the position a token had in the prompt. After a
+//                    compaction, cell j of slot s holds the token whose true
+//                    position is llama_entrokv_true_pos(...)[s][j]; the
+//                    positions that llama.cpp sees are synthetic.
+#pragma once
+
+#include "llama.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LLAMA_ENTROKV_API_VERSION 1
+
+enum llama_entrokv_status {
+    LLAMA_ENTROKV_OK                  =   0,
+    LLAMA_ENTROKV_ERR_INVALID_ARG     =  -1, // null pointer, wrong slot count, bad flags
+    LLAMA_ENTROKV_ERR_UNSUPPORTED     =  -2, // memory/model the method cannot act on
+    LLAMA_ENTROKV_ERR_MULTI_SEQ       =  -3, // more than one sequence in the cache
+    LLAMA_ENTROKV_ERR_PENDING_SHIFT   =  -4, // a K-shift is pending
+    LLAMA_ENTROKV_ERR_LIST_LENGTH     =  -5, // unequal lengths, K == 0, K > cells of the sequence
+    LLAMA_ENTROKV_ERR_CELL_RANGE      =  -6, // a cell index outside 0..kv_size-1
+    LLAMA_ENTROKV_ERR_CELL_ORDER      =  -7, // a list not strictly ascending (unsorted or duplicate)
+    LLAMA_ENTROKV_ERR_CELL_NOT_IN_SEQ =  -8, // a cell that does not hold a token of the sequence
+    LLAMA_ENTROKV_ERR_EMPTY_SEQ       =  -9, // the sequence holds no token
+    LLAMA_ENTROKV_ERR_BACKEND         = -10, // the backend cannot run the compaction graph
+    LLAMA_ENTROKV_ERR_BUFFER_SIZE     = -11, // an output buffer is too small
+};
+
+// flags of llama_entrokv_compact
+enum llama_entrokv_compact_flags {
+    LLAMA_ENTROKV_COMPACT_DEFAULT = 0,      // host memcpy path when the buffers are host buffers, ggml graph otherwise
+    LLAMA_ENTROKV_COMPACT_GRAPH   = 1 << 0, // always use the backend-agnostic ggml graph path
+};
+
+struct llama_entrokv_geometry {
+    int32_t  n_layers;        // eligible KV layers
+    int32_t  n_slots;         // sum over eligible layers of n_head_kv
+    uint32_t kv_size;         // cells in the (base) cache
+    uint32_t n_used;          // cells holding a token
+    int32_t  v_trans;         // 1 if V is stored transposed (flash attention off)
+    int32_t  is_iswa;         // 1 if the model also has a sliding-window cache (left untouched)
+    int32_t  type_k;          // enum ggml_type
+    int32_t  type_v;          // enum ggml_type
+    int32_t  n_compacted;     // cells 0..n_compacted-1 hold compacted tokens (0: never compacted)
+    int32_t  n_compactions;   // compactions since the cache was last cleared
+    int32_t  pos_max;         // highest (synthetic = logical) position of sequence 0, -1 if empty
+    int32_t  host_buffers;    // 1 if every eligible K/V buffer is a host buffer
+};
+
+struct llama_entrokv_layer {
+    int32_t il;               // layer id in the model
+    int32_t n_head_kv;
+    int32_t head_dim_k;
+    int32_t head_dim_v;
+    int32_t slot0;            // first slot of this layer
+    int32_t on_host;          // 1 if the K and V buffers of this layer are host buffers
+    size_t  k_bytes_per_cell; // bytes of one cell of K in this layer (all heads)
+    size_t  v_bytes_per_cell; // bytes of one cell of V in this layer (all heads)
+};
+
+// message of the last failed call on this thread ("" if none)
+LLAMA_API const char * llama_entrokv_last_error(void);
+
+LLAMA_API int32_t llama_entrokv_api_version(void);
+
+LLAMA_API int32_t llama_entrokv_get_geometry(
+        struct llama_context * ctx,
+        struct llama_entrokv_geometry * out);
+
+// il_index in 0 .. n_layers-1
+LLAMA_API int32_t llama_entrokv_get_layer(
+        struct llama_context * ctx,
+        int32_t il_index,
+        struct llama_entrokv_layer * out);
+
+// Fill out[s * kv_size + c] with the true position of the token that cell c of
+// slot s holds, or -1 for an empty cell. n_out must be >= n_slots * kv_size.
+LLAMA_API int32_t llama_entrokv_true_pos(
+        struct llama_context * ctx,
+        int32_t * out,
+        size_t n_out);
+
+// Compact sequence seq_id (which must be the only sequence in the cache).
+//   n_slots : must equal the geometry's n_slots
+//   lens    : [n_slots] list lengths; all must be equal (K)
+//   cells   : the lists concatenated, slot-major: cells[s*K + j]
+// Each list must be strictly ascending, within 0..kv_size-1 and name cells of
+// seq_id. Afterwards cells 0..K-1 hold, for every slot, the listed tokens in
+// list order, every other cell of the sequence is free, and the cells carry
+// positions pos_max-K+1 .. pos_max.
+LLAMA_API int32_t llama_entrokv_compact(
+        struct llama_context * ctx,
+        llama_seq_id seq_id,
+        int32_t n_slots,
+        const int32_t * lens,
+        const int32_t * cells,
+        uint32_t flags);
+
+// Operations refused since the last clear because they would have corrupted
+// a compacted cache (range seq_rm / seq_add / seq_div over compacted cells).
+LLAMA_API int32_t llama_entrokv_n_refused(struct llama_context * ctx);
+
+#ifdef __cplusplus
+}
+#endif

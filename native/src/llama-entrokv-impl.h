@@ -1,0 +1,57 @@
+// EntroKV Edge: internal state and the hooks the patched llama_kv_cache calls.
+// Not a public header: see native/include/llama-entrokv.h for the API.
+#pragma once
+
+#include "llama.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+class llama_kv_cache;
+struct llama_context;
+struct entrokv_target;
+struct llama_entrokv_geometry;
+struct llama_entrokv_layer;
+
+// Compaction state of one llama_kv_cache (single stream, single sequence).
+// Cells 0..n_keep-1 hold compacted tokens with synthetic positions
+// pos_lo..pos_hi; their true positions, per slot, are in true_pos.
+struct llama_entrokv_state {
+    uint32_t  n_keep        = 0;
+    llama_pos pos_lo        = -1;
+    llama_pos pos_hi        = -1;
+    int32_t   n_slots       = 0;
+    int32_t   n_compactions = 0;
+    int32_t   n_refused     = 0;
+
+    std::vector<int32_t> true_pos; // [n_slots][n_keep]
+
+    bool compacted() const { return n_keep > 0; }
+
+    void reset_compaction() {
+        n_keep = 0;
+        pos_lo = pos_hi = -1;
+        n_compactions = 0;
+        true_pos.clear();
+    }
+};
+
+// friend of llama_kv_cache: everything that reads or writes its private members
+struct llama_entrokv_access {
+    // hooks (one line each in the patched llama-kv-cache.cpp)
+    static void on_clear     (llama_kv_cache & kv);
+    static void on_state_read(llama_kv_cache & kv, llama_seq_id seq_id);
+    static bool allow_seq_rm (llama_kv_cache & kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+    static bool allow_seq_shift(llama_kv_cache & kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1, const char * op);
+
+    // the public API (llama-entrokv.cpp) is implemented through these
+    static int32_t resolve  (llama_context * ctx, struct entrokv_target & t);
+    static int32_t n_slots  (const llama_kv_cache & kv);
+    static int32_t geometry (llama_context * ctx, struct llama_entrokv_geometry & g);
+    static int32_t layer    (llama_context * ctx, int32_t i, struct llama_entrokv_layer & out);
+    static int32_t true_pos (llama_context * ctx, int32_t * out, size_t n_out);
+    static int32_t compact  (llama_context * ctx, llama_seq_id seq_id, int32_t n_slots,
+                             const int32_t * lens, const int32_t * cells, uint32_t flags);
+    static int32_t n_refused(llama_context * ctx);
+};
