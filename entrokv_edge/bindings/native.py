@@ -160,13 +160,15 @@ def true_positions(llm) -> np.ndarray:
     return out
 
 
-def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0, graph: bool = False) -> None:
+def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0, graph: bool = False,
+            unordered: bool = False) -> None:
     """Compact ``llm``'s cache so that, for every slot ``s``, cells ``0..K-1`` hold
     the tokens of cells ``keep[s]`` (strictly ascending, same length K for all slots).
 
     ``keep`` is an int array [n_slots, K] or a sequence of n_slots 1-D lists (unequal
     lengths are refused by the native code). ``graph=True`` forces the
-    backend-agnostic ggml path even for host buffers. Raises EntroKVError and
+    backend-agnostic ggml path even for host buffers; ``unordered=True`` accepts
+    lists in any order (without duplicates): cell j then receives ``keep[s][j]``. Raises EntroKVError and
     leaves the cache untouched on any bad input.
     """
     ffi, lib = _api()
@@ -186,7 +188,7 @@ def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0,
         flat = np.zeros(1, dtype=np.int32)  # a valid pointer; the length check refuses
     if lens.size == 0:
         lens = np.zeros(1, dtype=np.int32)
-    flags = lib.LLAMA_ENTROKV_COMPACT_GRAPH if graph else lib.LLAMA_ENTROKV_COMPACT_DEFAULT
+    flags = (lib.LLAMA_ENTROKV_COMPACT_GRAPH if graph else 0) | (lib.LLAMA_ENTROKV_COMPACT_UNORDERED if unordered else 0)
     _check(lib.llama_entrokv_compact(ctx, seq_id, len(rows), ffi.from_buffer("int32_t[]", lens),
                                      ffi.from_buffer("int32_t[]", flat), flags))
 

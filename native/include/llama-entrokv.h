@@ -49,7 +49,9 @@ enum llama_entrokv_status {
 // flags of llama_entrokv_compact
 enum llama_entrokv_compact_flags {
     LLAMA_ENTROKV_COMPACT_DEFAULT = 0,      // host memcpy path when the buffers are host buffers, ggml graph otherwise
-    LLAMA_ENTROKV_COMPACT_GRAPH   = 1 << 0, // always use the backend-agnostic ggml graph path
+    LLAMA_ENTROKV_COMPACT_GRAPH     = 1, // always use the backend-agnostic ggml graph path
+    LLAMA_ENTROKV_COMPACT_UNORDERED = 2, // lists may be in any order (still without duplicates):
+                                         // cell j of slot s receives cells[s*K + j]
 };
 
 struct llama_entrokv_geometry {
@@ -104,8 +106,8 @@ LLAMA_API int32_t llama_entrokv_true_pos(
 //   n_slots : must equal the geometry's n_slots
 //   lens    : [n_slots] list lengths; all must be equal (K)
 //   cells   : the lists concatenated, slot-major: cells[s*K + j]
-// Each list must be strictly ascending, within 0..kv_size-1 and name cells of
-// seq_id. Afterwards cells 0..K-1 hold, for every slot, the listed tokens in
+// Each list must be strictly ascending (any order without duplicates with
+// LLAMA_ENTROKV_COMPACT_UNORDERED), within 0..kv_size-1 and name cells of seq_id. Afterwards cells 0..K-1 hold, for every slot, the listed tokens in
 // list order, every other cell of the sequence is free, and the cells carry
 // positions pos_max-K+1 .. pos_max.
 LLAMA_API int32_t llama_entrokv_compact(

@@ -273,9 +273,40 @@ int32_t llama_entrokv_access::true_pos(llama_context * ctx, int32_t * out, size_
 // data movement
 //
 
-// host fast path: in-place gather, ascending (a source cell is never below its destination)
+// host fast path: in-place gather. Ascending lists need no scratch (a source cell is never
+// below its destination); unordered lists are gathered through a scratch copy per head.
+static void gather_rows_unordered(char * base, size_t row, size_t off, size_t n, int32_t K, const int32_t * src,
+        std::vector<char> & tmp) {
+    tmp.resize((size_t) K * n);
+    for (int32_t j = 0; j < K; ++j) {
+        memcpy(tmp.data() + (size_t) j * n, base + (size_t) src[j] * row + off, n);
+    }
+    for (int32_t j = 0; j < K; ++j) {
+        memcpy(base + (size_t) j * row + off, tmp.data() + (size_t) j * n, n);
+    }
+}
+
 static void gather_host(ggml_tensor * k, ggml_tensor * v, bool v_trans, uint32_t kv_size,
-        int32_t n_head, int32_t hd_k, int32_t hd_v, int32_t K, const int32_t * keep /* [n_head][K] */) {
+        int32_t n_head, int32_t hd_k, int32_t hd_v, int32_t K, const int32_t * keep /* [n_head][K] */, bool unordered) {
+    if (unordered) {
+        std::vector<char> tmp;
+        const size_t k_head = ggml_row_size(k->type, hd_k);
+        for (int32_t h = 0; h < n_head; ++h) {
+            const int32_t * src = keep + (size_t) h * K;
+            gather_rows_unordered((char *) k->data, k->nb[1], h * k_head, k_head, K, src, tmp);
+            if (!v_trans) {
+                const size_t v_head = ggml_row_size(v->type, hd_v);
+                gather_rows_unordered((char *) v->data, v->nb[1], h * v_head, v_head, K, src, tmp);
+            } else {
+                const size_t es = ggml_type_size(v->type);
+                for (int32_t d = 0; d < hd_v; ++d) {
+                    char * row = (char *) v->data + ((size_t) (h * hd_v + d) * kv_size) * es;
+                    gather_rows_unordered(row, es, 0, es, K, src, tmp);
+                }
+            }
+        }
+        return;
+    }
     char * kb = (char *) k->data;
     const size_t k_row  = k->nb[1];
     const size_t k_head = ggml_row_size(k->type, hd_k);
@@ -355,7 +386,7 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
     const uint32_t kv_size = kv.get_size();
     const int32_t ns = n_slots(kv);
 
-    if ((flags & ~(uint32_t) LLAMA_ENTROKV_COMPACT_GRAPH) != 0) {
+    if ((flags & ~(uint32_t) (LLAMA_ENTROKV_COMPACT_GRAPH | LLAMA_ENTROKV_COMPACT_UNORDERED)) != 0) {
         return fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "unknown flags 0x%x", flags);
     }
     if (lens == nullptr || cells_in == nullptr) {
@@ -402,13 +433,20 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
     if (pmax - K + 1 < 0) {
         return fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep length %d exceeds the positions of the sequence (max %d)", K, pmax);
     }
+    const bool unordered = (flags & LLAMA_ENTROKV_COMPACT_UNORDERED) != 0;
+    std::vector<int32_t> seen(unordered ? kv_size : 0, -1);
     for (int32_t s = 0; s < ns; ++s) {
         const int32_t * l = cells_in + (size_t) s * K;
         for (int32_t j = 0; j < K; ++j) {
             if (l[j] < 0 || (uint32_t) l[j] >= kv_size) {
                 return fail(LLAMA_ENTROKV_ERR_CELL_RANGE, "slot %d: cell %d outside 0..%u", s, l[j], kv_size - 1);
             }
-            if (j > 0 && l[j] <= l[j - 1]) {
+            if (unordered) {
+                if (seen[l[j]] == s) {
+                    return fail(LLAMA_ENTROKV_ERR_CELL_ORDER, "slot %d: cell %d listed twice", s, l[j]);
+                }
+                seen[l[j]] = s;
+            } else if (j > 0 && l[j] <= l[j - 1]) {
                 return fail(LLAMA_ENTROKV_ERR_CELL_ORDER, "slot %d: cells must be strictly ascending (%d then %d at index %d)",
                         s, l[j - 1], l[j], j);
             }
@@ -453,6 +491,10 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
         }
         auto g = std::make_unique<entrokv_layer_graph>();
         ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(l.k->buffer));
+        if (dev == nullptr && host) {
+            // plain host buffers (ggml_backend_cpu_buffer_type) carry no device: run on the CPU
+            dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        }
         if (dev == nullptr) {
             release();
             return fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: the KV buffer has no device", l.il);
@@ -511,7 +553,7 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
         if (!g) {
             gather_host(l.k, l.v, kv.v_trans, kv_size, n_head,
                     (int32_t) kv.hparams.n_embd_head_k(l.il), (int32_t) kv.hparams.n_embd_head_v(l.il), K,
-                    cells_in + slot0 * K);
+                    cells_in + slot0 * K, unordered);
             slot0 += n_head;
             continue;
         }

@@ -1,0 +1,71 @@
+"""Compaction on the real GGUF models we ship: SmolLM2-135M (llama, r = 3) and
+Gemma 3 270M (iswa: only its full-attention cache is compacted)."""
+import numpy as np
+import pytest
+
+import entrokv_edge as ek
+from helpers import feed, greedy, load_blob, make_llm, oracle_blob, parse_cache, random_keep, state_blob
+
+TEXT = ("The old lighthouse keeper wrote the secret code 7391 in his journal before the storm. "
+        "Ships passed the rocky island every night, and he counted them one by one while the "
+        "lamp turned slowly above the sea. In the morning the fishermen came to ask for news.")
+
+
+def tokens(llm):
+    return llm.tokenize(TEXT.encode(), add_bos=True)
+
+
+def test_smollm2_same_keep_matches_seq_rm_oracle(smollm2):
+    a, b = make_llm(smollm2, n_ctx=512, type_k="f32"), make_llm(smollm2, n_ctx=512, type_k="f32")
+    toks = tokens(a)
+    n = len(toks)
+    feed(a, toks), feed(b, toks)
+    g = ek.geometry(a)
+    assert (g.n_layers, g.n_slots) == (30, 90)
+    keep = np.sort(np.concatenate([np.arange(4), np.arange(10, n, 2), np.arange(n - 8, n)]))
+    keep = np.unique(keep)
+    ek.compact(a, np.tile(keep, (g.n_slots, 1)).astype(np.int32))
+    for p in sorted(set(range(n)) - set(keep.tolist())):
+        assert b._ctx.kv_cache_seq_rm(0, p, p + 1)
+    for t in tokens(a)[1:5]:
+        assert np.abs(feed(a, [t]) - feed(b, [t])).max() < 1e-3
+
+
+def test_smollm2_per_head_compaction_matches_oracle_and_keeps_decoding(smollm2):
+    a = make_llm(smollm2, n_ctx=512)
+    toks = tokens(a)
+    n = len(toks)
+    feed(a, toks)
+    g = ek.geometry(a)
+    full = state_blob(a)
+    keep = random_keep(np.random.default_rng(0), g.n_slots, n, n // 2, protect=8)
+    ek.compact(a, keep)
+    expected = oracle_blob(full, g, keep)
+    assert state_blob(a) == expected
+    b = make_llm(smollm2, n_ctx=512)
+    load_blob(b, expected, toks)
+    ta, la = greedy(a, 198, 24)
+    tb, lb = greedy(b, 198, 24)
+    assert ta == tb and max(np.abs(x - y).max() for x, y in zip(la, lb)) <= 1e-5
+
+
+def test_gemma3_compacts_the_base_cache_and_leaves_swa_untouched(gemma3):
+    a = make_llm(gemma3, n_ctx=512)
+    toks = tokens(a)
+    n = len(toks)
+    feed(a, toks)
+    g = ek.geometry(a)
+    assert g.is_iswa and [l.il for l in g.layers] == [5, 11, 17]  # the full-attention layers
+    full = state_blob(a)
+    keep = random_keep(np.random.default_rng(1), g.n_slots, n, n // 3, protect=6)
+    ek.compact(a, keep)
+    after = state_blob(a)
+    assert parse_cache(after).rest == parse_cache(full).rest, "the SWA cache changed"
+    expected = oracle_blob(full, g, keep)
+    assert after == expected
+    b = make_llm(gemma3, n_ctx=512)
+    load_blob(b, expected, toks)
+    ta, la = greedy(a, 236764, 40)
+    tb, lb = greedy(b, 236764, 40)
+    assert ta == tb and max(np.abs(x - y).max() for x, y in zip(la, lb)) <= 1e-5
+    assert ek.geometry(a).pos_max == n + 39
