@@ -12,6 +12,7 @@ from ._loader import LibraryMismatchError, ensure_llama_cpp
 
 llama_cpp = ensure_llama_cpp()
 
+from . import models  # noqa: E402
 from .bindings import (  # noqa: E402
     EntroKVError,
     KVGeometry,
@@ -32,6 +33,7 @@ __all__ = [
     "compact",
     "geometry",
     "llama_cpp",
+    "models",
     "n_refused",
     "true_positions",
 ]

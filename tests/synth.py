@@ -1,4 +1,7 @@
-"""Tiny random-weight GGUF models written with the gguf writer (llama and qwen2).
+"""Tiny random-weight GGUF models written with the gguf writer.
+
+Architectures: llama and qwen2 (what the method supports), qwen2vl (M-RoPE) and mpt
+(ALiBi), the last two to check that the native code refuses them.
 
 Dimensions are small so a test decodes in milliseconds; head_dim = 32 keeps every
 head's K/V slice block-aligned for Q4_0/Q8_0 caches.
@@ -44,7 +47,13 @@ def write_model(path: Path, *, arch: str = "llama", n_layer: int = 2, n_head: in
     w.add_head_count_kv(n_head_kv)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    if arch == "mpt":
+        w.add_layer_norm_eps(1e-5)
+        w.add_max_alibi_bias(8.0)
+    else:
+        w.add_layer_norm_rms_eps(1e-5)
+    if arch == "qwen2vl":
+        w.add_rope_dimension_sections([4, 6, 6, 0])
     w.add_file_type(0)  # all F32
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
@@ -61,13 +70,23 @@ def write_model(path: Path, *, arch: str = "llama", n_layer: int = 2, n_head: in
     t("token_embd.weight", n_vocab, n_embd, scale=0.5)
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     t("output.weight", n_vocab, n_embd, scale=0.2)
+    if arch == "mpt":
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+            t(p + "attn_qkv.weight", n_embd + 2 * n_head_kv * head_dim, n_embd, scale=0.15)
+            t(p + "attn_output.weight", n_embd, n_embd)
+            w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+            t(p + "ffn_up.weight", n_ff, n_embd)
+            t(p + "ffn_down.weight", n_embd, n_ff)
+        n_layer = 0  # the llama-style loop below writes nothing more
     for i in range(n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
         t(p + "attn_q.weight", n_head * head_dim, n_embd, scale=0.15)
         t(p + "attn_k.weight", n_head_kv * head_dim, n_embd, scale=0.15)
         t(p + "attn_v.weight", n_head_kv * head_dim, n_embd, scale=0.15)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2vl"):
             t(p + "attn_q.bias", n_head * head_dim, scale=0.05)
             t(p + "attn_k.bias", n_head_kv * head_dim, scale=0.05)
             t(p + "attn_v.bias", n_head_kv * head_dim, scale=0.05)

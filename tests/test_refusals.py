@@ -143,3 +143,16 @@ def test_prefix_reuse_cannot_damage_a_compacted_cache(synth_models):
     out_f = [next(gen_f) for _ in range(5)]
     assert out_a == out_f
     assert ek.geometry(a).n_compacted == 0 and ek.n_refused(a) >= 1
+
+
+@pytest.mark.parametrize("arch,reason", [("qwen2vl", "M-RoPE"), ("mpt", "ALiBi")])
+def test_unsupported_models_are_refused(tmp_path, arch, reason):
+    from synth import write_model
+    llm = make_llm(write_model(tmp_path / f"{arch}.gguf", arch=arch, n_head=4, n_head_kv=2 if arch != "mpt" else 4))
+    feed(llm, range(3, 23))
+    before = state_blob(llm)
+    for call in (lambda: ek.geometry(llm), lambda: ek.compact(llm, np.zeros((4, 5), np.int32))):
+        with pytest.raises(ek.EntroKVError, match=reason) as e:
+            call()
+        assert e.value.name == "LLAMA_ENTROKV_ERR_UNSUPPORTED"
+    assert state_blob(llm) == before

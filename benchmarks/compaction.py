@@ -1,0 +1,106 @@
+"""Compaction time vs the memcpy bound, SmolLM2-135M, keeping 20% of 2k/4k/8k cached tokens.
+
+    python benchmarks/compaction.py [--lengths 2048 4096 8192] [--keep 0.2] [--repeats 5] [--json out.json]
+
+The prompt is prefilled once per cache layout (flash attention off: V transposed; on:
+V in rows) and snapshotted with llama_state_seq_get_data; every measurement reloads
+that snapshot, truncates it to the length with seq_rm, and times one compaction with
+a different random keep set per (layer, KV head). The bound is a plain memcpy of the
+kept K+V bytes (numpy copyto between two preallocated buffers of that size). The
+figure to read is the ratio (median compaction time / median memcpy time).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import entrokv_edge as ek
+from entrokv_edge.models import model_path
+from llama_cpp import Llama
+from llama_cpp import llama_cpp as C
+
+
+def blob_of(llm) -> bytes:
+    size = C.llama_state_seq_get_size(llm.ctx, 0)
+    buf = (ctypes.c_uint8 * size)()
+    return bytes(buf[: C.llama_state_seq_get_data(llm.ctx, buf, size, 0)])
+
+
+def load(llm, blob: bytes) -> None:
+    C.llama_memory_clear(llm._ctx.memory, True)
+    buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+    assert C.llama_state_seq_set_data(llm.ctx, buf, len(blob), 0) == len(blob)
+
+
+def memcpy_seconds(nbytes: int, repeats: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    ts = []
+    for _ in range(max(repeats, 5)):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--keep", type=float, default=0.2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    path = model_path(args.model)
+    n_max = max(args.lengths)
+    rng = np.random.default_rng(0)
+    rows = []
+    for fa in (False, True):
+        llm = Llama(str(path), n_ctx=n_max + 256, n_batch=512, n_ubatch=512, flash_attn=fa, verbose=False)
+        toks = [int(t) for t in rng.integers(100, llm.n_vocab() - 100, n_max)]
+        t0 = time.perf_counter()
+        llm.eval(toks)
+        print(f"# prefill {n_max} tokens (flash_attn={fa}): {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        snap = blob_of(llm)
+        g = ek.geometry(llm)
+        for n in args.lengths:
+            K = int(n * args.keep)
+            kept_bytes = K * g.bytes_per_cell
+            for path_name in ("host", "graph"):
+                ts = []
+                for _ in range(args.repeats):
+                    load(llm, snap)
+                    assert llm._ctx.kv_cache_seq_rm(0, n, -1)
+                    keep = np.sort(np.stack([rng.choice(n, K, replace=False) for _ in range(g.n_slots)]), axis=1)
+                    keep = keep.astype(np.int32)
+                    t0 = time.perf_counter()
+                    ek.compact(llm, keep, graph=(path_name == "graph"))
+                    ts.append(time.perf_counter() - t0)
+                    assert ek.geometry(llm).n_used == K
+                t_c = statistics.median(ts)
+                t_m = memcpy_seconds(kept_bytes, args.repeats)
+                rows.append(dict(flash_attn=fa, v_trans=g.v_trans, path=path_name, cached=n, kept=K,
+                                 kept_mib=kept_bytes / 2**20, compact_ms=t_c * 1e3, memcpy_ms=t_m * 1e3,
+                                 ratio=t_c / t_m))
+        del llm
+
+    print(f"{'V layout':10s} {'path':6s} {'cached':>7s} {'kept':>6s} {'kept MiB':>9s} "
+          f"{'compact ms':>11s} {'memcpy ms':>10s} {'ratio':>7s}")
+    for r in rows:
+        print(f"{'transposed' if r['v_trans'] else 'rows':10s} {r['path']:6s} {r['cached']:7d} {r['kept']:6d} "
+              f"{r['kept_mib']:9.2f} {r['compact_ms']:11.2f} {r['memcpy_ms']:10.3f} {r['ratio']:7.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
