@@ -5,7 +5,8 @@
 The prompt is prefilled once per cache layout (flash attention off: V transposed; on:
 V in rows) and snapshotted with llama_state_seq_get_data; every measurement reloads
 that snapshot, truncates it to the length with seq_rm, and times one compaction with
-a different random keep set per (layer, KV head). The bound is a plain memcpy of the
+a different random keep set per (layer, KV head): either whole pages of 16 tokens (what
+Page-EntroKV keeps) or scattered single tokens (the worst case for a gather). The bound is a plain memcpy of the
 kept K+V bytes (numpy copyto between two preallocated buffers of that size). The
 figure to read is the ratio (median compaction time / median memcpy time).
 """
@@ -36,6 +37,17 @@ def load(llm, blob: bytes) -> None:
     C.llama_memory_clear(llm._ctx.memory, True)
     buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
     assert C.llama_state_seq_set_data(llm.ctx, buf, len(blob), 0) == len(blob)
+
+
+PAGE = 16
+
+
+def keep_sets(rng, n_slots: int, n: int, K: int, pattern: str) -> np.ndarray:
+    """int32 [n_slots, K]: sorted random cells per slot, as whole pages or single tokens."""
+    if pattern == "pages":
+        pages = [np.sort(rng.choice(n // PAGE, K // PAGE, replace=False)) for _ in range(n_slots)]
+        return np.stack([(p[:, None] * PAGE + np.arange(PAGE)).ravel() for p in pages]).astype(np.int32)
+    return np.sort(np.stack([rng.choice(n, K, replace=False) for _ in range(n_slots)]), axis=1).astype(np.int32)
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> float:
@@ -71,30 +83,29 @@ def main() -> int:
         snap = blob_of(llm)
         g = ek.geometry(llm)
         for n in args.lengths:
-            K = int(n * args.keep)
+            K = int(n * args.keep) // PAGE * PAGE
             kept_bytes = K * g.bytes_per_cell
-            for path_name in ("host", "graph"):
+            for pattern, path_name in [(p, q) for p in ("pages", "tokens") for q in ("host", "graph")]:
                 ts = []
                 for _ in range(args.repeats):
                     load(llm, snap)
                     assert llm._ctx.kv_cache_seq_rm(0, n, -1)
-                    keep = np.sort(np.stack([rng.choice(n, K, replace=False) for _ in range(g.n_slots)]), axis=1)
-                    keep = keep.astype(np.int32)
+                    keep = keep_sets(rng, g.n_slots, n, K, pattern)
                     t0 = time.perf_counter()
                     ek.compact(llm, keep, graph=(path_name == "graph"))
                     ts.append(time.perf_counter() - t0)
                     assert ek.geometry(llm).n_used == K
                 t_c = statistics.median(ts)
                 t_m = memcpy_seconds(kept_bytes, args.repeats)
-                rows.append(dict(flash_attn=fa, v_trans=g.v_trans, path=path_name, cached=n, kept=K,
+                rows.append(dict(flash_attn=fa, v_trans=g.v_trans, pattern=pattern, path=path_name, cached=n, kept=K,
                                  kept_mib=kept_bytes / 2**20, compact_ms=t_c * 1e3, memcpy_ms=t_m * 1e3,
                                  ratio=t_c / t_m))
         del llm
 
-    print(f"{'V layout':10s} {'path':6s} {'cached':>7s} {'kept':>6s} {'kept MiB':>9s} "
+    print(f"{'V layout':10s} {'keep':6s} {'path':6s} {'cached':>7s} {'kept':>6s} {'kept MiB':>9s} "
           f"{'compact ms':>11s} {'memcpy ms':>10s} {'ratio':>7s}")
     for r in rows:
-        print(f"{'transposed' if r['v_trans'] else 'rows':10s} {r['path']:6s} {r['cached']:7d} {r['kept']:6d} "
+        print(f"{'transposed' if r['v_trans'] else 'rows':10s} {r['pattern']:6s} {r['path']:6s} {r['cached']:7d} {r['kept']:6d} "
               f"{r['kept_mib']:9.2f} {r['compact_ms']:11.2f} {r['memcpy_ms']:10.3f} {r['ratio']:7.1f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <typeinfo>
 #include <vector>
 
@@ -273,75 +274,152 @@ int32_t llama_entrokv_access::true_pos(llama_context * ctx, int32_t * out, size_
 // data movement
 //
 
-// host fast path: in-place gather. Ascending lists need no scratch (a source cell is never
-// below its destination); unordered lists are gathered through a scratch copy per head.
-static void gather_rows_unordered(char * base, size_t row, size_t off, size_t n, int32_t K, const int32_t * src,
-        std::vector<char> & tmp) {
-    tmp.resize((size_t) K * n);
-    for (int32_t j = 0; j < K; ++j) {
-        memcpy(tmp.data() + (size_t) j * n, base + (size_t) src[j] * row + off, n);
-    }
-    for (int32_t j = 0; j < K; ++j) {
-        memcpy(base + (size_t) j * row + off, tmp.data() + (size_t) j * n, n);
-    }
-}
+// host fast path: in-place gather. Element j of a strided sequence (one head's slice of
+// K or V rows, or one channel row of a transposed V) receives element src[j].
+//  - ascending lists need no scratch: a source is never below its destination, so
+//    copying in ascending order never reads an element already overwritten;
+//    consecutive sources are merged into one memmove when the elements are adjacent
+//  - unordered lists go through a scratch copy
+struct strided {
+    char * base;
+    size_t stride; // bytes between elements j and j+1
+    size_t n;      // bytes of one element
+};
 
-static void gather_host(ggml_tensor * k, ggml_tensor * v, bool v_trans, uint32_t kv_size,
-        int32_t n_head, int32_t hd_k, int32_t hd_v, int32_t K, const int32_t * keep /* [n_head][K] */, bool unordered) {
-    if (unordered) {
-        std::vector<char> tmp;
-        const size_t k_head = ggml_row_size(k->type, hd_k);
-        for (int32_t h = 0; h < n_head; ++h) {
-            const int32_t * src = keep + (size_t) h * K;
-            gather_rows_unordered((char *) k->data, k->nb[1], h * k_head, k_head, K, src, tmp);
-            if (!v_trans) {
-                const size_t v_head = ggml_row_size(v->type, hd_v);
-                gather_rows_unordered((char *) v->data, v->nb[1], h * v_head, v_head, K, src, tmp);
-            } else {
-                const size_t es = ggml_type_size(v->type);
-                for (int32_t d = 0; d < hd_v; ++d) {
-                    char * row = (char *) v->data + ((size_t) (h * hd_v + d) * kv_size) * es;
-                    gather_rows_unordered(row, es, 0, es, K, src, tmp);
-                }
+static void gather_sorted(const strided & a, int32_t K, const int32_t * src) {
+    if (a.stride == a.n) {
+        for (int32_t j = 0; j < K; ) {
+            int32_t m = 1;
+            while (j + m < K && src[j + m] == src[j] + m) {
+                ++m;
             }
+            if (src[j] != j) {
+                memmove(a.base + (size_t) j * a.n, a.base + (size_t) src[j] * a.n, (size_t) m * a.n);
+            }
+            j += m;
         }
         return;
     }
-    char * kb = (char *) k->data;
-    const size_t k_row  = k->nb[1];
-    const size_t k_head = ggml_row_size(k->type, hd_k);
-    char * vb = (char *) v->data;
-    for (int32_t h = 0; h < n_head; ++h) {
-        const int32_t * src = keep + (size_t) h * K;
-        for (int32_t j = 0; j < K; ++j) {
-            if (src[j] != j) {
-                memcpy(kb + (size_t) j * k_row + h * k_head, kb + (size_t) src[j] * k_row + h * k_head, k_head);
+    for (int32_t j = 0; j < K; ++j) {
+        if (src[j] != j) {
+            memcpy(a.base + (size_t) j * a.stride, a.base + (size_t) src[j] * a.stride, a.n);
+        }
+    }
+}
+
+static void gather_unordered(const strided & a, int32_t K, const int32_t * src, std::vector<char> & tmp) {
+    tmp.resize((size_t) K * a.n);
+    for (int32_t j = 0; j < K; ++j) {
+        memcpy(tmp.data() + (size_t) j * a.n, a.base + (size_t) src[j] * a.stride, a.n);
+    }
+    for (int32_t j = 0; j < K; ++j) {
+        memcpy(a.base + (size_t) j * a.stride, tmp.data() + (size_t) j * a.n, a.n);
+    }
+}
+
+// runs of consecutive sources of one list: (destination, source, length)
+struct gather_run {
+    int32_t dst;
+    int32_t src;
+    int32_t len;
+};
+
+static void find_runs(int32_t K, const int32_t * src, std::vector<gather_run> & runs) {
+    runs.clear();
+    for (int32_t j = 0; j < K; ) {
+        int32_t m = 1;
+        while (j + m < K && src[j + m] == src[j] + m) {
+            ++m;
+        }
+        if (src[j] != j) {
+            runs.push_back({ j, src[j], m });
+        }
+        j += m;
+    }
+}
+
+// transposed V rows of 2-byte elements (F16/BF16): the same list serves every channel
+// of a head, so its runs are found once; lists made of pages become a few memmoves,
+// lists of scattered tokens a plain gather loop
+static void gather_rows_u16(char * row0, size_t row_bytes, int32_t n_rows, int32_t K, const int32_t * src,
+        const std::vector<gather_run> & runs) {
+    const bool scattered = runs.size() * 4 > (size_t) K;
+    for (int32_t d = 0; d < n_rows; ++d) {
+        uint16_t * r = (uint16_t *) (row0 + (size_t) d * row_bytes);
+        if (scattered) {
+            for (int32_t j = 0; j < K; ++j) {
+                r[j] = r[src[j]];
+            }
+        } else {
+            for (const auto & run : runs) {
+                memmove(r + run.dst, r + run.src, (size_t) run.len * sizeof(uint16_t));
             }
         }
+    }
+}
+
+struct host_layer_job {
+    ggml_tensor * k;
+    ggml_tensor * v;
+    int32_t n_head;
+    int32_t hd_k;
+    int32_t hd_v;
+    const int32_t * keep; // [n_head][K]
+};
+
+static void gather_host(const host_layer_job & job, bool v_trans, uint32_t kv_size, int32_t K, bool unordered,
+        std::vector<char> & tmp) {
+    ggml_tensor * k = job.k;
+    ggml_tensor * v = job.v;
+    const size_t k_head = ggml_row_size(k->type, job.hd_k);
+    std::vector<gather_run> runs;
+    for (int32_t h = 0; h < job.n_head; ++h) {
+        const int32_t * src = job.keep + (size_t) h * K;
+        std::vector<strided> parts;
+        parts.push_back({ (char *) k->data + h * k_head, k->nb[1], k_head });
         if (!v_trans) {
-            const size_t v_row  = v->nb[1];
-            const size_t v_head = ggml_row_size(v->type, hd_v);
-            for (int32_t j = 0; j < K; ++j) {
-                if (src[j] != j) {
-                    memcpy(vb + (size_t) j * v_row + h * v_head, vb + (size_t) src[j] * v_row + h * v_head, v_head);
-                }
-            }
+            const size_t v_head = ggml_row_size(v->type, job.hd_v);
+            parts.push_back({ (char *) v->data + h * v_head, v->nb[1], v_head });
         } else {
             // channel (h, d) of V is one contiguous row of kv_size elements
             const size_t es = ggml_type_size(v->type);
-            for (int32_t d = 0; d < hd_v; ++d) {
-                char * row = vb + ((size_t) (h * hd_v + d) * kv_size) * es;
-                if (es == 2) {
-                    uint16_t * r = (uint16_t *) row;
-                    for (int32_t j = 0; j < K; ++j) { r[j] = r[src[j]]; }
-                } else if (es == 4) {
-                    uint32_t * r = (uint32_t *) row;
-                    for (int32_t j = 0; j < K; ++j) { r[j] = r[src[j]]; }
-                } else {
-                    for (int32_t j = 0; j < K; ++j) { memmove(row + j * es, row + (size_t) src[j] * es, es); }
+            char * row0 = (char *) v->data + ((size_t) h * job.hd_v * kv_size) * es;
+            if (es == 2 && !unordered) {
+                find_runs(K, src, runs);
+                gather_rows_u16(row0, kv_size * es, job.hd_v, K, src, runs);
+            } else {
+                for (int32_t d = 0; d < job.hd_v; ++d) {
+                    parts.push_back({ row0 + (size_t) d * kv_size * es, es, es });
                 }
             }
         }
+        for (const auto & a : parts) {
+            if (unordered) {
+                gather_unordered(a, K, src, tmp);
+            } else {
+                gather_sorted(a, K, src);
+            }
+        }
+    }
+}
+
+// layers are independent: spread them over a few threads
+static void gather_host_layers(const std::vector<host_layer_job> & jobs, bool v_trans, uint32_t kv_size, int32_t K,
+        bool unordered) {
+    const size_t n_threads = std::min<size_t>({ jobs.size(), (size_t) std::max(1u, std::thread::hardware_concurrency()), 8 });
+    auto work = [&](size_t t) {
+        std::vector<char> tmp;
+        for (size_t i = t; i < jobs.size(); i += n_threads) {
+            gather_host(jobs[i], v_trans, kv_size, K, unordered, tmp);
+        }
+    };
+    std::vector<std::thread> threads;
+    for (size_t t = 1; t < n_threads; ++t) {
+        threads.emplace_back(work, t);
+    }
+    work(0);
+    for (auto & th : threads) {
+        th.join();
     }
 }
 
@@ -363,12 +441,13 @@ static ggml_tensor * build_gather(ggml_context * ctx, ggml_tensor * t, int32_t h
     return ggml_set_rows(ctx, view, rows, dst_idx);
 }
 
+// n_view: cells 0..n_view-1 hold every source, so only they are transposed
 static ggml_tensor * build_gather_vtrans(ggml_context * ctx, ggml_tensor * v, int32_t hd, int32_t n_head, uint32_t kv_size,
-        int32_t K, ggml_tensor * src_idx) {
+        uint32_t n_view, int32_t K, ggml_tensor * src_idx) {
     const size_t es = ggml_type_size(v->type);
-    // [kv_size, hd, n_head]: channel rows of kv_size elements
-    ggml_tensor * vt   = ggml_view_3d(ctx, v, kv_size, hd, n_head, kv_size * es, (size_t) hd * kv_size * es, 0);
-    ggml_tensor * rows = ggml_cont(ctx, ggml_transpose(ctx, vt));              // [hd, kv_size, n_head]
+    // [n_view, hd, n_head]: the first n_view elements of each channel row
+    ggml_tensor * vt   = ggml_view_3d(ctx, v, n_view, hd, n_head, kv_size * es, (size_t) hd * kv_size * es, 0);
+    ggml_tensor * rows = ggml_cont(ctx, ggml_transpose(ctx, vt));              // [hd, n_view, n_head]
     ggml_tensor * g    = ggml_get_rows(ctx, rows, src_idx);                     // [hd, K, n_head] F32
     ggml_tensor * gt   = ggml_cont(ctx, ggml_transpose(ctx, g));                // [K, hd, n_head] F32
     ggml_tensor * dst  = ggml_view_3d(ctx, v, K, hd, n_head, kv_size * es, (size_t) hd * kv_size * es, 0);
@@ -456,6 +535,11 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
         }
     }
 
+    uint32_t n_view = 0; // highest source cell + 1
+    for (size_t i = 0; i < (size_t) ns * K; ++i) {
+        n_view = std::max(n_view, (uint32_t) cells_in[i] + 1);
+    }
+
     // the true positions after the compaction, composed with any earlier one
     const llama_entrokv_state * st_old = kv.entrokv.get();
     std::vector<int32_t> tpos((size_t) ns * K);
@@ -523,7 +607,7 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
         const int32_t hd_v = (int32_t) kv.hparams.n_embd_head_v(l.il);
         ggml_build_forward_expand(g->gf, build_gather(g->ctx, l.k, hd_k, n_head, kv_size, g->src_idx, g->dst_idx));
         if (kv.v_trans) {
-            ggml_build_forward_expand(g->gf, build_gather_vtrans(g->ctx, l.v, hd_v, n_head, kv_size, K, g->src_idx));
+            ggml_build_forward_expand(g->gf, build_gather_vtrans(g->ctx, l.v, hd_v, n_head, kv_size, n_view, K, g->src_idx));
         } else {
             ggml_build_forward_expand(g->gf, build_gather(g->ctx, l.v, hd_v, n_head, kv_size, g->src_idx, g->dst_idx));
         }
@@ -544,20 +628,27 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
     for (int32_t j = 0; j < K; ++j) {
         dst[j] = j;
     }
-    std::map<ggml_backend_t, ggml_gallocr_t> allocs;
-    int32_t rc = LLAMA_ENTROKV_OK;
+    // host layers first (all at once, threaded), then the graph layers
+    std::vector<host_layer_job> host_jobs;
     for (size_t il = 0, slot0 = 0; il < kv.layers.size(); ++il) {
         const auto & l = kv.layers[il];
         const int32_t n_head = (int32_t) kv.hparams.n_head_kv(l.il);
-        auto & g = graphs[il];
-        if (!g) {
-            gather_host(l.k, l.v, kv.v_trans, kv_size, n_head,
-                    (int32_t) kv.hparams.n_embd_head_k(l.il), (int32_t) kv.hparams.n_embd_head_v(l.il), K,
-                    cells_in + slot0 * K, unordered);
-            slot0 += n_head;
-            continue;
+        if (!graphs[il]) {
+            host_jobs.push_back({ l.k, l.v, n_head, (int32_t) kv.hparams.n_embd_head_k(l.il),
+                                  (int32_t) kv.hparams.n_embd_head_v(l.il), cells_in + slot0 * K });
         }
         slot0 += n_head;
+    }
+    gather_host_layers(host_jobs, kv.v_trans, kv_size, K, unordered);
+
+    std::map<ggml_backend_t, ggml_gallocr_t> allocs;
+    int32_t rc = LLAMA_ENTROKV_OK;
+    for (size_t il = 0; il < kv.layers.size(); ++il) {
+        const auto & l = kv.layers[il];
+        auto & g = graphs[il];
+        if (!g) {
+            continue;
+        }
         if (!allocs.count(g->backend)) {
             allocs[g->backend] = ggml_gallocr_new(ggml_backend_get_default_buffer_type(g->backend));
         }
@@ -581,11 +672,8 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
     }
 
     // the cells: 0..K-1 hold the sequence at positions pmax-K+1 .. pmax, everything else is free
-    for (uint32_t c = 0; c < cells.size(); ++c) {
-        if (!cells.is_empty(c)) {
-            cells.rm(c);
-        }
-    }
+    // (only seq_id lives in the cache, checked above, so freeing every cell frees exactly its cells)
+    cells.reset();
     const llama_pos p_lo = pmax - K + 1;
     for (int32_t j = 0; j < K; ++j) {
         cells.pos_set((uint32_t) j, p_lo + j);
