@@ -25,7 +25,8 @@ _GGML_TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_
 def _cdef_source(header: str) -> str:
     text = re.sub(r"#ifdef __cplusplus.*?#endif", "", header, flags=re.S)
     text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    return "struct llama_context;\ntypedef int32_t llama_seq_id;\n" + text.replace("LLAMA_API", "")
+    return ("struct llama_context;\ntypedef int32_t llama_seq_id;\ntypedef int32_t llama_pos;\n"
+            + text.replace("LLAMA_API", ""))
 
 
 @lru_cache(maxsize=None)
@@ -160,6 +161,11 @@ def true_positions(llm) -> np.ndarray:
     return out
 
 
+def _check_int32_range(a: np.ndarray) -> None:
+    if a.size and a.dtype.itemsize > 4 and (a.min() < -(2**31) or a.max() >= 2**31):
+        raise ValueError("cell index outside int32")
+
+
 def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0, graph: bool = False,
             unordered: bool = False) -> None:
     """Compact ``llm``'s cache so that, for every slot ``s``, cells ``0..K-1`` hold
@@ -174,22 +180,26 @@ def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0,
     ffi, lib = _api()
     ctx = context_pointer(llm)
     if isinstance(keep, np.ndarray) and keep.ndim == 2:
-        rows = list(keep)
+        # the common case: one array, checked and converted in one go
+        if keep.size and not np.issubdtype(keep.dtype, np.integer):
+            raise TypeError("keep must hold integer cell indices")
+        _check_int32_range(keep)
+        n_rows = keep.shape[0]
+        lens = np.full(max(n_rows, 1), keep.shape[1], dtype=np.int32)
+        flat = np.ascontiguousarray(keep, dtype=np.int32).ravel()
     else:
         rows = [np.asarray(r) for r in keep]
-    for r in rows:
-        if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
-            raise TypeError("each keep list must be a 1-D array of integer cell indices")
-        if r.size and (r.min() < np.iinfo(np.int32).min or r.max() > np.iinfo(np.int32).max):
-            raise ValueError("cell index outside int32")
-    lens = np.array([r.size for r in rows], dtype=np.int32)
-    flat = np.ascontiguousarray(np.concatenate(rows) if rows else np.zeros(0), dtype=np.int32)
+        for r in rows:
+            if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
+                raise TypeError("each keep list must be a 1-D array of integer cell indices")
+            _check_int32_range(r)
+        n_rows = len(rows)
+        lens = np.array([r.size for r in rows] or [0], dtype=np.int32)
+        flat = np.ascontiguousarray(np.concatenate(rows) if rows else np.zeros(0), dtype=np.int32)
     if flat.size == 0:
-        flat = np.zeros(1, dtype=np.int32)  # a valid pointer; the length check refuses
-    if lens.size == 0:
-        lens = np.zeros(1, dtype=np.int32)
+        flat = np.zeros(1, dtype=np.int32)  # a valid pointer; the native length check refuses
     flags = (lib.LLAMA_ENTROKV_COMPACT_GRAPH if graph else 0) | (lib.LLAMA_ENTROKV_COMPACT_UNORDERED if unordered else 0)
-    _check(lib.llama_entrokv_compact(ctx, seq_id, len(rows), ffi.from_buffer("int32_t[]", lens),
+    _check(lib.llama_entrokv_compact(ctx, seq_id, n_rows, ffi.from_buffer("int32_t[]", lens),
                                      ffi.from_buffer("int32_t[]", flat), flags))
 
 

@@ -118,6 +118,80 @@ LLAMA_API int32_t llama_entrokv_compact(
         const int32_t * cells,
         uint32_t flags);
 
+//
+// Observation: the attention of the last `window` queries of a ubatch, per eligible layer
+// and query head, computed inside llama.cpp's graph on the backend holding the cache
+// (the model's own scale, softcap, mask and sinks; flash attention on or off).
+//
+
+struct llama_entrokv_scores {
+    int32_t   n_layers;     // observed (eligible) layers, in geometry order
+    int32_t   n_head;       // query heads per layer (query head h reads KV head h / (n_head / n_head_kv))
+    int32_t   n_head_kv;    // KV heads per layer
+    int32_t   n_kv;         // cells covered: columns 0..n_kv-1
+    int32_t   n_slots;      // n_layers * n_head_kv
+    int32_t   window;       // w: queries averaged
+    int32_t   n_tokens;     // tokens of the observed ubatch
+    llama_pos pos_last;     // position of the last window query
+    const int32_t * layer_ids; // [n_layers] model layer ids
+    const float   * scores;    // [n_layers][n_head][n_kv]: mean over the window of the attention on each cell
+    const int32_t * true_pos;  // [n_slots][n_kv]: true position of each cell's token per slot, -1 if empty
+};
+
+// Called from inside llama_decode, once per observed ubatch, on the decoding thread. The
+// arrays are valid during the call only. It must not call llama_decode.
+typedef void (*llama_entrokv_observer)(void * user_data, const struct llama_entrokv_scores * scores);
+
+// Observe every following ubatch that has >= window tokens (window 0: stop observing).
+// cb may be NULL: the scores are then only kept for llama_entrokv_last_scores.
+LLAMA_API int32_t llama_entrokv_set_observer(
+        struct llama_context * ctx,
+        int32_t window,
+        llama_entrokv_observer cb,
+        void * user_data);
+
+// The scores of the last observed ubatch (valid until the next observed ubatch or
+// llama_free). Returns LLAMA_ENTROKV_ERR_INVALID_ARG if nothing was observed yet.
+LLAMA_API int32_t llama_entrokv_last_scores(
+        struct llama_context * ctx,
+        const struct llama_entrokv_scores ** out);
+
+//
+// Page-EntroKV selection in C (the same definitions as the Python controller)
+//
+
+struct llama_entrokv_params {
+    int32_t budget;     // token slots per group buffer, rounded down to whole pages
+    int32_t page_size;  // P
+    int32_t sinks;      // s: leading positions isolated as sinks (and protected)
+    int32_t recent;     // rho: trailing positions always kept
+    float   tau;        // temperature of the entropy weights (1: w = c / sum c)
+    int32_t page_max;   // 0: page score = attention mass (sum), 1: max
+};
+
+LLAMA_API struct llama_entrokv_params llama_entrokv_default_params(void);
+
+// scores [n_layers][n_head][n] (window attention over positions 0..n-1) -> out_pages
+// [n_layers][n_head_kv][N], ascending. Returns N (the same for every layer and group)
+// or a negative error (budget below the protected pages, bad shapes, n_out too small).
+LLAMA_API int32_t llama_entrokv_select_pages(
+        const float * scores,
+        int32_t n_layers,
+        int32_t n_head,
+        int32_t n_head_kv,
+        int32_t n,
+        const struct llama_entrokv_params * params,
+        int32_t * out_pages,
+        size_t n_out);
+
+// For C programs: Page-EntroKV on sequence seq_id of a never-compacted cache, from the
+// last observed scores (the observed ubatch must end the prompt), then compaction.
+// Returns the tokens kept per group buffer, or a negative error (cache untouched).
+LLAMA_API int32_t llama_entrokv_evict(
+        struct llama_context * ctx,
+        llama_seq_id seq_id,
+        const struct llama_entrokv_params * params);
+
 // Operations refused since the last clear because they would have corrupted
 // a compacted cache (range seq_rm / seq_add / seq_div over compacted cells).
 LLAMA_API int32_t llama_entrokv_n_refused(struct llama_context * ctx);

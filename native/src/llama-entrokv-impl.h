@@ -9,10 +9,15 @@
 #include <vector>
 
 class llama_kv_cache;
+class llm_graph_result;
+struct llm_graph_context;
 struct llama_context;
+struct ggml_tensor;
 struct entrokv_target;
 struct llama_entrokv_geometry;
 struct llama_entrokv_layer;
+struct llama_entrokv_scores;
+struct llama_ubatch;
 
 // Compaction state of one llama_kv_cache (single stream, single sequence).
 // Cells 0..n_keep-1 hold compacted tokens with synthetic positions
@@ -37,6 +42,10 @@ struct llama_entrokv_state {
     }
 };
 
+// set llama_entrokv_last_error() and return code; ok() clears it and returns 0
+int32_t llama_entrokv_fail(int32_t code, const char * fmt, ...);
+int32_t llama_entrokv_ok();
+
 // friend of llama_kv_cache: everything that reads or writes its private members
 struct llama_entrokv_access {
     // hooks (one line each in the patched llama-kv-cache.cpp)
@@ -51,7 +60,24 @@ struct llama_entrokv_access {
     static int32_t geometry (llama_context * ctx, struct llama_entrokv_geometry & g);
     static int32_t layer    (llama_context * ctx, int32_t i, struct llama_entrokv_layer & out);
     static int32_t true_pos (llama_context * ctx, int32_t * out, size_t n_out);
+    // out [n_slots][n_cols]: true positions of cells 0..n_cols-1 (n_cols <= kv_size)
+    static void    fill_true_pos(const llama_kv_cache & kv, int32_t * out, uint32_t n_cols);
     static int32_t compact  (llama_context * ctx, llama_seq_id seq_id, int32_t n_slots,
                              const int32_t * lens, const int32_t * cells, uint32_t flags);
     static int32_t n_refused(llama_context * ctx);
+
+    // observation (llama-entrokv-observe.cpp)
+    static void    after_ubatch   (llama_context & lctx, const llm_graph_result * res, const struct llama_ubatch & ubatch);
+    static void    on_context_free(llama_context * lctx);
+    static int32_t set_observer   (llama_context * ctx, int32_t window, void (*cb)(void *, const struct llama_entrokv_scores *), void * user_data);
+    static int32_t last_scores    (llama_context * ctx, const struct llama_entrokv_scores ** out);
 };
+
+// called by the patched build_attn after the attention of an eligible layer: when the
+// context observes (cparams.entrokv_window = w > 0) and the ubatch has >= w tokens, adds
+// to the graph the mean attention of its last w queries over every cached key, per query
+// head, as an output tensor [n_kv, n_head] of the graph result
+void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_mask,
+        ggml_tensor * sinks, float kq_scale, int il);
+
+

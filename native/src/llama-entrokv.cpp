@@ -28,7 +28,7 @@
 
 static thread_local std::string g_last_error;
 
-static int32_t fail(int32_t code, const char * fmt, ...) {
+int32_t llama_entrokv_fail(int32_t code, const char * fmt, ...) {
     char buf[1024];
     va_list ap;
     va_start(ap, fmt);
@@ -38,7 +38,7 @@ static int32_t fail(int32_t code, const char * fmt, ...) {
     return code;
 }
 
-static int32_t ok() {
+int32_t llama_entrokv_ok() {
     g_last_error.clear();
     return LLAMA_ENTROKV_OK;
 }
@@ -121,11 +121,11 @@ struct entrokv_target {
 
 int32_t llama_entrokv_access::resolve(llama_context * ctx, entrokv_target & t) {
     if (ctx == nullptr) {
-        return fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "ctx is NULL");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "ctx is NULL");
     }
     llama_memory_i * mem = ctx->get_memory();
     if (mem == nullptr) {
-        return fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "the context has no KV cache");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "the context has no KV cache");
     }
     if (typeid(*mem) == typeid(llama_kv_cache)) {
         t.kv = static_cast<llama_kv_cache *>(mem);
@@ -133,34 +133,34 @@ int32_t llama_entrokv_access::resolve(llama_context * ctx, entrokv_target & t) {
         t.kv   = static_cast<llama_kv_cache_iswa *>(mem)->get_base();
         t.iswa = true;
     } else {
-        return fail(LLAMA_ENTROKV_ERR_UNSUPPORTED,
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED,
                 "unsupported memory (recurrent, hybrid or a specialised cache); only plain and iswa KV caches can be compacted");
     }
     const llama_kv_cache & kv = *t.kv;
     const llama_hparams & hp = kv.hparams;
     if (kv.other != nullptr || hp.n_layer_kv_from_start >= 0) {
-        return fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported cache: it shares or reuses another cache's layers");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported cache: it shares or reuses another cache's layers");
     }
     if (kv.swa_type != LLAMA_SWA_TYPE_NONE) {
-        return fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported cache: a sliding-window (SWA) cache cannot be compacted");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported cache: a sliding-window (SWA) cache cannot be compacted");
     }
     if (hp.n_pos_per_embd() > 1) {
-        return fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported model: M-RoPE (several positions per token)");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported model: M-RoPE (several positions per token)");
     }
     if (hp.use_alibi) {
-        return fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported model: ALiBi position bias");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported model: ALiBi position bias");
     }
     if (hp.is_mla()) {
-        return fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported model: multi-head latent attention (MLA)");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported model: multi-head latent attention (MLA)");
     }
     if (hp.n_rel_attn_bkts > 0) {
-        return fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported model: relative position buckets");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported model: relative position buckets");
     }
     if (kv.get_n_stream() != 1) {
-        return fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported cache: %u streams (use a unified KV cache or n_seq_max = 1)", kv.get_n_stream());
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported cache: %u streams (use a unified KV cache or n_seq_max = 1)", kv.get_n_stream());
     }
     if (kv.layers.empty()) {
-        return fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "the cache has no layers");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "the cache has no layers");
     }
     return LLAMA_ENTROKV_OK;
 }
@@ -204,7 +204,7 @@ int32_t llama_entrokv_access::geometry(llama_context * ctx, llama_entrokv_geomet
             g.host_buffers = 0;
         }
     }
-    return ok();
+    return llama_entrokv_ok();
 }
 
 int32_t llama_entrokv_access::layer(llama_context * ctx, int32_t i, llama_entrokv_layer & out) {
@@ -214,7 +214,7 @@ int32_t llama_entrokv_access::layer(llama_context * ctx, int32_t i, llama_entrok
     }
     const llama_kv_cache & kv = *t.kv;
     if (i < 0 || (size_t) i >= kv.layers.size()) {
-        return fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "layer index %d out of range 0..%d", i, (int) kv.layers.size() - 1);
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "layer index %d out of range 0..%d", i, (int) kv.layers.size() - 1);
     }
     int32_t slot0 = 0;
     for (int32_t j = 0; j < i; ++j) {
@@ -230,7 +230,7 @@ int32_t llama_entrokv_access::layer(llama_context * ctx, int32_t i, llama_entrok
     out.on_host          = tensor_on_host(l.k) && tensor_on_host(l.v) ? 1 : 0;
     out.k_bytes_per_cell = ggml_row_size(l.k->type, kv.hparams.n_embd_k_gqa(l.il));
     out.v_bytes_per_cell = ggml_row_size(l.v->type, kv.hparams.n_embd_v_gqa(l.il));
-    return ok();
+    return llama_entrokv_ok();
 }
 
 // true position of the token in cell c for slot s, -1 if the cell is empty
@@ -246,6 +246,17 @@ static llama_pos true_pos_of(const llama_entrokv_state * st, const llama_kv_cell
     return p;
 }
 
+void llama_entrokv_access::fill_true_pos(const llama_kv_cache & kv, int32_t * out, uint32_t n_cols) {
+    const int32_t ns = n_slots(kv);
+    const auto & cells = kv.v_cells[0];
+    const llama_entrokv_state * st = kv.entrokv.get();
+    for (int32_t s = 0; s < ns; ++s) {
+        for (uint32_t c = 0; c < n_cols; ++c) {
+            out[(size_t) s * n_cols + c] = true_pos_of(st, cells, s, c);
+        }
+    }
+}
+
 int32_t llama_entrokv_access::true_pos(llama_context * ctx, int32_t * out, size_t n_out) {
     entrokv_target t;
     if (int32_t rc = resolve(ctx, t)) {
@@ -255,19 +266,13 @@ int32_t llama_entrokv_access::true_pos(llama_context * ctx, int32_t * out, size_
     const int32_t ns = n_slots(kv);
     const uint32_t kv_size = kv.get_size();
     if (out == nullptr) {
-        return fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "out is NULL");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "out is NULL");
     }
     if (n_out < (size_t) ns * kv_size) {
-        return fail(LLAMA_ENTROKV_ERR_BUFFER_SIZE, "out holds %zu values, need n_slots * kv_size = %zu", n_out, (size_t) ns * kv_size);
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BUFFER_SIZE, "out holds %zu values, need n_slots * kv_size = %zu", n_out, (size_t) ns * kv_size);
     }
-    const auto & cells = kv.v_cells[0];
-    const llama_entrokv_state * st = kv.entrokv.get();
-    for (int32_t s = 0; s < ns; ++s) {
-        for (uint32_t c = 0; c < kv_size; ++c) {
-            out[(size_t) s * kv_size + c] = true_pos_of(st, cells, s, c);
-        }
-    }
-    return ok();
+    fill_true_pos(kv, out, kv_size);
+    return llama_entrokv_ok();
 }
 
 //
@@ -466,16 +471,16 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
     const int32_t ns = n_slots(kv);
 
     if ((flags & ~(uint32_t) (LLAMA_ENTROKV_COMPACT_GRAPH | LLAMA_ENTROKV_COMPACT_UNORDERED)) != 0) {
-        return fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "unknown flags 0x%x", flags);
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "unknown flags 0x%x", flags);
     }
     if (lens == nullptr || cells_in == nullptr) {
-        return fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "lens or cells is NULL");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "lens or cells is NULL");
     }
     if (n_slots_in != ns) {
-        return fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "got %d keep lists, the cache has %d (layer, KV head) slots", n_slots_in, ns);
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "got %d keep lists, the cache has %d (layer, KV head) slots", n_slots_in, ns);
     }
     if (seq_id < 0 || seq_id >= LLAMA_MAX_SEQ) {
-        return fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "invalid sequence id %d", seq_id);
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "invalid sequence id %d", seq_id);
     }
 
     // the cache must hold exactly one sequence, seq_id, and no pending shift
@@ -485,32 +490,32 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
             continue;
         }
         if (cells.seq_count(c) != 1 || !cells.seq_has(c, seq_id)) {
-            return fail(LLAMA_ENTROKV_ERR_MULTI_SEQ, "cell %u belongs to another sequence or to several: "
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_MULTI_SEQ, "cell %u belongs to another sequence or to several: "
                     "compaction needs sequence %d to be the only one in the cache", c, seq_id);
         }
         n_seq_cells++;
     }
     if (n_seq_cells == 0) {
-        return fail(LLAMA_ENTROKV_ERR_EMPTY_SEQ, "sequence %d holds no token", seq_id);
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_EMPTY_SEQ, "sequence %d holds no token", seq_id);
     }
     if (cells.get_has_shift()) {
-        return fail(LLAMA_ENTROKV_ERR_PENDING_SHIFT, "a K-shift is pending: decode once (or call llama_memory_update) before compacting");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_PENDING_SHIFT, "a K-shift is pending: decode once (or call llama_memory_update) before compacting");
     }
 
     // the keep lists
     const int32_t K = lens[0];
     for (int32_t s = 0; s < ns; ++s) {
         if (lens[s] != K) {
-            return fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep lists have unequal lengths (slot 0: %d, slot %d: %d); "
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep lists have unequal lengths (slot 0: %d, slot %d: %d); "
                     "every (layer, KV head) must keep the same number of cells", K, s, lens[s]);
         }
     }
     if (K < 1 || (uint32_t) K > n_seq_cells) {
-        return fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep length %d outside 1..%u (the cells of the sequence)", K, n_seq_cells);
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep length %d outside 1..%u (the cells of the sequence)", K, n_seq_cells);
     }
     const llama_pos pmax = cells.seq_pos_max(seq_id);
     if (pmax - K + 1 < 0) {
-        return fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep length %d exceeds the positions of the sequence (max %d)", K, pmax);
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep length %d exceeds the positions of the sequence (max %d)", K, pmax);
     }
     const bool unordered = (flags & LLAMA_ENTROKV_COMPACT_UNORDERED) != 0;
     std::vector<int32_t> seen(unordered ? kv_size : 0, -1);
@@ -518,19 +523,19 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
         const int32_t * l = cells_in + (size_t) s * K;
         for (int32_t j = 0; j < K; ++j) {
             if (l[j] < 0 || (uint32_t) l[j] >= kv_size) {
-                return fail(LLAMA_ENTROKV_ERR_CELL_RANGE, "slot %d: cell %d outside 0..%u", s, l[j], kv_size - 1);
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_RANGE, "slot %d: cell %d outside 0..%u", s, l[j], kv_size - 1);
             }
             if (unordered) {
                 if (seen[l[j]] == s) {
-                    return fail(LLAMA_ENTROKV_ERR_CELL_ORDER, "slot %d: cell %d listed twice", s, l[j]);
+                    return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_ORDER, "slot %d: cell %d listed twice", s, l[j]);
                 }
                 seen[l[j]] = s;
             } else if (j > 0 && l[j] <= l[j - 1]) {
-                return fail(LLAMA_ENTROKV_ERR_CELL_ORDER, "slot %d: cells must be strictly ascending (%d then %d at index %d)",
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_ORDER, "slot %d: cells must be strictly ascending (%d then %d at index %d)",
                         s, l[j - 1], l[j], j);
             }
             if (cells.is_empty(l[j]) || !cells.seq_has(l[j], seq_id)) {
-                return fail(LLAMA_ENTROKV_ERR_CELL_NOT_IN_SEQ, "slot %d: cell %d holds no token of sequence %d", s, l[j], seq_id);
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_NOT_IN_SEQ, "slot %d: cell %d holds no token of sequence %d", s, l[j], seq_id);
             }
         }
     }
@@ -581,13 +586,13 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
         }
         if (dev == nullptr) {
             release();
-            return fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: the KV buffer has no device", l.il);
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: the KV buffer has no device", l.il);
         }
         if (!backends.count(dev)) {
             ggml_backend_t be = ggml_backend_dev_init(dev, nullptr);
             if (be == nullptr) {
                 release();
-                return fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: cannot start a backend on device %s", l.il, ggml_backend_dev_name(dev));
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: cannot start a backend on device %s", l.il, ggml_backend_dev_name(dev));
             }
             backends[dev] = be;
         }
@@ -616,7 +621,7 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
             if (!ggml_backend_supports_op(g->backend, node)) {
                 const std::string msg = std::string(ggml_op_desc(node)) + " on " + ggml_backend_name(g->backend);
                 release();
-                return fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: the backend does not support %s", l.il, msg.c_str());
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: the backend does not support %s", l.il, msg.c_str());
             }
         }
         g->src.assign(cells_in + slot0 * K, cells_in + (slot0 + n_head) * K);
@@ -653,13 +658,13 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
             allocs[g->backend] = ggml_gallocr_new(ggml_backend_get_default_buffer_type(g->backend));
         }
         if (!ggml_gallocr_alloc_graph(allocs[g->backend], g->gf)) {
-            rc = fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: cannot allocate the compaction graph (the cache is now partly compacted)", l.il);
+            rc = llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: cannot allocate the compaction graph (the cache is now partly compacted)", l.il);
             break;
         }
         ggml_backend_tensor_set(g->src_idx, g->src.data(), 0, ggml_nbytes(g->src_idx));
         ggml_backend_tensor_set(g->dst_idx, dst.data(), 0, ggml_nbytes(g->dst_idx));
         if (ggml_backend_graph_compute(g->backend, g->gf) != GGML_STATUS_SUCCESS) {
-            rc = fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: the compaction graph failed (the cache is now partly compacted)", l.il);
+            rc = llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: the compaction graph failed (the cache is now partly compacted)", l.il);
             break;
         }
     }
@@ -691,7 +696,7 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
     st.n_slots  = ns;
     st.true_pos = std::move(tpos);
     st.n_compactions++;
-    return ok();
+    return llama_entrokv_ok();
 }
 
 int32_t llama_entrokv_access::n_refused(llama_context * ctx) {
@@ -699,7 +704,7 @@ int32_t llama_entrokv_access::n_refused(llama_context * ctx) {
     if (int32_t rc = resolve(ctx, t)) {
         return rc;
     }
-    ok();
+    llama_entrokv_ok();
     return t.kv->entrokv ? t.kv->entrokv->n_refused : 0;
 }
 
@@ -719,14 +724,14 @@ int32_t llama_entrokv_api_version(void) {
 
 int32_t llama_entrokv_get_geometry(llama_context * ctx, llama_entrokv_geometry * out) {
     if (out == nullptr) {
-        return fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "out is NULL");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "out is NULL");
     }
     return llama_entrokv_access::geometry(ctx, *out);
 }
 
 int32_t llama_entrokv_get_layer(llama_context * ctx, int32_t il_index, llama_entrokv_layer * out) {
     if (out == nullptr) {
-        return fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "out is NULL");
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "out is NULL");
     }
     return llama_entrokv_access::layer(ctx, il_index, *out);
 }
@@ -740,7 +745,7 @@ int32_t llama_entrokv_compact(llama_context * ctx, llama_seq_id seq_id, int32_t 
     try {
         return llama_entrokv_access::compact(ctx, seq_id, n_slots, lens, cells, flags);
     } catch (const std::exception & e) {
-        return fail(LLAMA_ENTROKV_ERR_BACKEND, "compaction failed: %s", e.what());
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "compaction failed: %s", e.what());
     }
 }
 

@@ -1,0 +1,104 @@
+"""Observation-window scores from inside llama.cpp's graph, delivered through a cffi callback.
+
+    with Observation(llm, window=32) as obs:
+        llm.eval(prompt_tokens[-32:])        # a ubatch of >= 32 tokens is observed
+    obs.last.scores   # float32 [L, H, n_kv]: mean attention of the window's queries on each cell
+
+The callback runs inside llama_decode; the arrays it sees are zero-copy numpy views of
+the native buffer (one device-to-host copy happened in the native code) and stay valid
+only during the call, so ``Observation`` keeps a copy of the last one (``last``), and
+calls ``handler(view)`` first if one is given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .native import _api, _check, context_pointer
+
+
+@dataclass
+class WindowScores:
+    """Scores of one observed ubatch.
+
+    scores    float32 [L, H, n_kv]: mean over the window queries of the attention on cell c
+    true_pos  int32   [n_slots, n_kv]: true position of each cell's token per (layer, KV head) slot
+    layer_ids int32   [L]
+    """
+
+    scores: np.ndarray
+    true_pos: np.ndarray
+    layer_ids: np.ndarray
+    window: int
+    n_tokens: int
+    pos_last: int
+
+    @property
+    def n_head_kv(self) -> int:
+        return self.true_pos.shape[0] // self.scores.shape[0]
+
+    def copy(self) -> "WindowScores":
+        return WindowScores(self.scores.copy(), self.true_pos.copy(), self.layer_ids.copy(),
+                            self.window, self.n_tokens, self.pos_last)
+
+
+def _view(ffi, s) -> WindowScores:
+    L, H, n_kv, ns = s.n_layers, s.n_head, s.n_kv, s.n_slots
+    scores = np.frombuffer(ffi.buffer(s.scores, L * H * n_kv * 4), dtype=np.float32).reshape(L, H, n_kv)
+    tpos = np.frombuffer(ffi.buffer(s.true_pos, ns * n_kv * 4), dtype=np.int32).reshape(ns, n_kv)
+    ids = np.frombuffer(ffi.buffer(s.layer_ids, L * 4), dtype=np.int32)
+    return WindowScores(scores, tpos, ids, s.window, s.n_tokens, s.pos_last)
+
+
+class Observation:
+    """Observe every ubatch of >= ``window`` tokens decoded on ``llm`` while active.
+
+    ``handler(view)``, if given, is called inside llama_decode with zero-copy views; it
+    must not decode. ``last`` holds a copy of the last observed scores. Use as a context
+    manager, or call ``start()`` / ``stop()``.
+    """
+
+    def __init__(self, llm, window: int, handler: Callable[[WindowScores], None] | None = None):
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self.llm, self.window, self.handler = llm, window, handler
+        self.last: WindowScores | None = None
+        self.count = 0
+        self._error: BaseException | None = None
+        ffi, _ = _api()
+
+        def on_scores(user_data, s):
+            try:
+                view = _view(ffi, s)
+                if self.handler is not None:
+                    self.handler(view)
+                self.last = view.copy()
+                self.count += 1
+            except BaseException as e:  # noqa: BLE001 - re-raised after the decode returns
+                self._error = e
+
+        self._cb = ffi.callback("void(void *, const struct llama_entrokv_scores *)", on_scores)
+
+    def start(self) -> "Observation":
+        ffi, lib = _api()
+        _check(lib.llama_entrokv_set_observer(context_pointer(self.llm), self.window, self._cb, ffi.NULL))
+        return self
+
+    def stop(self) -> None:
+        ffi, lib = _api()
+        _check(lib.llama_entrokv_set_observer(context_pointer(self.llm), 0, ffi.NULL, ffi.NULL))
+        self.raise_pending()
+
+    def raise_pending(self) -> None:
+        """Re-raise an exception the handler raised inside llama_decode."""
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def __enter__(self) -> "Observation":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,207 @@
+// EntroKV Edge: observation-window scoring inside llama.cpp's graph.
+//
+// For an observed ubatch (>= w tokens) every eligible layer adds a few nodes after its
+// attention: the last w queries against the cached keys, with the model's own scale,
+// softcap, mask and sinks, softmax, then the mean over the w queries -> [n_kv, n_head].
+// The nodes run on whatever backend the scheduler assigns (the one holding the cache);
+// their temporaries are freed by the graph allocator once used, so only the [n_kv, n_head]
+// result of each layer stays. After the ubatch, llama_context hands the results to us;
+// we copy them to one host buffer (the only device-to-host copy), attach the true
+// positions of every (layer, KV head) slot, and call the observer.
+
+#include "llama-entrokv.h"
+#include "llama-entrokv-impl.h"
+
+#include "llama-batch.h"
+#include "llama-context.h"
+#include "llama-graph.h"
+#include "llama-impl.h"
+#include "llama-kv-cache.h"
+#include "llama-model.h"
+
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_mask,
+        ggml_tensor * sinks, float kq_scale, int il) {
+    const int64_t w = g.cparams.entrokv_window;
+    if (w <= 0 || q->ne[2] < w || k->ne[3] != 1 || g.arch == LLM_ARCH_GROK) {
+        return;
+    }
+    ggml_context * ctx0 = g.ctx0;
+    const int64_t T      = q->ne[2];
+    const int64_t n_head = q->ne[1];
+    const int64_t n_kv   = k->ne[2];
+
+    // the last w queries: [hd, n_head, w] -> [hd, w, n_head]
+    ggml_tensor * qw = ggml_view_3d(ctx0, q, q->ne[0], n_head, w, q->nb[1], q->nb[2], (T - w) * q->nb[2]);
+    qw = ggml_permute(ctx0, qw, 0, 2, 1, 3);
+    // cached keys [hd, n_head_kv, n_kv] -> [hd, n_kv, n_head_kv]; mul_mat broadcasts query head h to KV head h / r
+    ggml_tensor * kp = ggml_permute(ctx0, ggml_view_3d(ctx0, k, k->ne[0], k->ne[1], n_kv, k->nb[1], k->nb[2], 0), 0, 2, 1, 3);
+
+    ggml_tensor * kq = ggml_mul_mat(ctx0, kp, qw);                    // [n_kv, w, n_head]
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    if (g.hparams.attn_soft_cap) {
+        kq = ggml_scale(ctx0, kq, 1.0f / g.hparams.f_attn_logit_softcapping);
+        kq = ggml_tanh (ctx0, kq);
+        kq = ggml_scale(ctx0, kq, g.hparams.f_attn_logit_softcapping);
+    }
+    // the mask rows of the window queries
+    ggml_tensor * mask = ggml_view_4d(ctx0, kq_mask, kq_mask->ne[0], w, 1, 1,
+            kq_mask->nb[1], kq_mask->nb[2], kq_mask->nb[3], (T - w) * kq_mask->nb[1]);
+    kq = ggml_soft_max_ext(ctx0, kq, mask, kq_scale, g.hparams.f_max_alibi_bias);
+    ggml_soft_max_add_sinks(kq, sinks);
+
+    // mean over the window queries: [n_kv, w, n_head] -> [w, n_kv, n_head] -> sum -> [n_kv, n_head]
+    ggml_tensor * t = ggml_cont(ctx0, ggml_permute(ctx0, kq, 1, 0, 2, 3));
+    t = ggml_sum_rows(ctx0, t);
+    t = ggml_scale(ctx0, t, 1.0f / (float) w);
+    t = ggml_reshape_2d(ctx0, t, n_kv, n_head);
+    ggml_format_name(t, "entrokv_scores-%d", il);
+
+    ggml_build_forward_expand(g.gf, t);
+    g.res->t_entrokv.push_back(t);
+    g.res->t_entrokv_il.push_back(il);
+}
+
+//
+// per-context observer state
+//
+
+struct entrokv_observer_state {
+    int32_t                window    = 0;
+    llama_entrokv_observer cb        = nullptr;
+    void *                 user_data = nullptr;
+
+    std::vector<float>   scores;
+    std::vector<int32_t> true_pos;
+    std::vector<int32_t> layer_ids;
+    llama_entrokv_scores view {};
+    bool                 have = false;
+};
+
+static std::mutex g_obs_mutex;
+static std::unordered_map<const llama_context *, std::unique_ptr<entrokv_observer_state>> g_obs;
+
+static entrokv_observer_state * find_state(const llama_context * ctx) {
+    std::lock_guard<std::mutex> lock(g_obs_mutex);
+    auto it = g_obs.find(ctx);
+    return it == g_obs.end() ? nullptr : it->second.get();
+}
+
+void llama_entrokv_access::on_context_free(llama_context * lctx) {
+    std::lock_guard<std::mutex> lock(g_obs_mutex);
+    g_obs.erase(lctx);
+}
+
+int32_t llama_entrokv_access::set_observer(llama_context * ctx, int32_t window,
+        void (*cb)(void *, const llama_entrokv_scores *), void * user_data) {
+    entrokv_target t;
+    if (int32_t rc = resolve(ctx, t)) {
+        return rc;
+    }
+    if (window < 0) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "window must be >= 0, got %d", window);
+    }
+    if (window > (int32_t) ctx->cparams.n_ubatch) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG,
+                "window %d is larger than n_ubatch %u: no ubatch could hold it", window, ctx->cparams.n_ubatch);
+    }
+    {
+        std::lock_guard<std::mutex> lock(g_obs_mutex);
+        auto & st = g_obs[ctx];
+        if (!st) {
+            st = std::make_unique<entrokv_observer_state>();
+        }
+        st->window    = window;
+        st->cb        = cb;
+        st->user_data = user_data;
+    }
+    if (ctx->cparams.entrokv_window != (uint32_t) window) {
+        ctx->cparams.entrokv_window = (uint32_t) window;
+        // a different graph topology: no reuse (graph params compare the window) and a new reservation
+        ctx->sched_need_reserve = true;
+    }
+    return llama_entrokv_ok();
+}
+
+int32_t llama_entrokv_access::last_scores(llama_context * ctx, const llama_entrokv_scores ** out) {
+    if (ctx == nullptr || out == nullptr) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "ctx or out is NULL");
+    }
+    entrokv_observer_state * st = find_state(ctx);
+    if (st == nullptr || !st->have) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "nothing observed yet: set an observer window and decode a ubatch of >= window tokens");
+    }
+    *out = &st->view;
+    return llama_entrokv_ok();
+}
+
+void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_result * res, const llama_ubatch & ubatch) {
+    if (res == nullptr || res->t_entrokv.empty()) {
+        return;
+    }
+    entrokv_observer_state * st = find_state(&lctx);
+    entrokv_target t;
+    if (st == nullptr || resolve(&lctx, t) != LLAMA_ENTROKV_OK) {
+        return;
+    }
+    const llama_kv_cache & kv = *t.kv;
+    const int32_t n_layers = (int32_t) res->t_entrokv.size();
+    const int64_t n_kv     = res->t_entrokv[0]->ne[0];
+    const int64_t n_head   = res->t_entrokv[0]->ne[1];
+    const int32_t ns       = n_slots(kv);
+
+    st->scores.resize((size_t) n_layers * n_head * n_kv);
+    st->layer_ids.assign(res->t_entrokv_il.begin(), res->t_entrokv_il.end());
+    for (int32_t i = 0; i < n_layers; ++i) {
+        ggml_tensor * s = res->t_entrokv[i];
+        GGML_ASSERT(s->ne[0] == n_kv && s->ne[1] == n_head);
+        ggml_backend_t be = ggml_backend_sched_get_tensor_backend(lctx.sched.get(), s);
+        float * dst = st->scores.data() + (size_t) i * n_head * n_kv;
+        if (be) {
+            ggml_backend_tensor_get_async(be, s, dst, 0, ggml_nbytes(s));
+        } else {
+            ggml_backend_tensor_get(s, dst, 0, ggml_nbytes(s));
+        }
+    }
+    ggml_backend_sched_synchronize(lctx.sched.get());
+
+    st->true_pos.resize((size_t) ns * n_kv);
+    fill_true_pos(kv, st->true_pos.data(), (uint32_t) n_kv);
+
+    llama_entrokv_scores & v = st->view;
+    v.n_layers  = n_layers;
+    v.n_head    = (int32_t) n_head;
+    v.n_head_kv = n_layers > 0 ? ns / n_layers : 0;
+    v.n_kv      = (int32_t) n_kv;
+    v.n_slots   = ns;
+    v.window    = (int32_t) lctx.cparams.entrokv_window;
+    v.n_tokens  = (int32_t) ubatch.n_tokens;
+    v.pos_last  = ubatch.pos ? ubatch.pos[ubatch.n_tokens - 1] : -1;
+    v.layer_ids = st->layer_ids.data();
+    v.scores    = st->scores.data();
+    v.true_pos  = st->true_pos.data();
+    st->have    = true;
+
+    if (st->cb) {
+        st->cb(st->user_data, &v);
+    }
+}
+
+extern "C" {
+
+int32_t llama_entrokv_set_observer(llama_context * ctx, int32_t window, llama_entrokv_observer cb, void * user_data) {
+    return llama_entrokv_access::set_observer(ctx, window, cb, user_data);
+}
+
+int32_t llama_entrokv_last_scores(llama_context * ctx, const llama_entrokv_scores ** out) {
+    return llama_entrokv_access::last_scores(ctx, out);
+}
+
+} // extern "C"
