@@ -23,10 +23,19 @@ from .bindings import (  # noqa: E402
     true_positions,
 )
 
+from .bindings.observe import Observation, WindowScores  # noqa: E402
+from .controller import POLICIES, EvictionConfig, EvictionResult, PageEntroKV  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "POLICIES",
     "EntroKVError",
+    "EvictionConfig",
+    "EvictionResult",
+    "Observation",
+    "PageEntroKV",
+    "WindowScores",
     "KVGeometry",
     "KVLayer",
     "LibraryMismatchError",

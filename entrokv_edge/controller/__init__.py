@@ -1,0 +1,6 @@
+"""The Python controller: settings, head weights, pages, policies and metrics (numpy)."""
+from .config import POLICIES, EvictionConfig
+from .controller import EvictionResult, PageEntroKV
+from .policies import Selection, select
+
+__all__ = ["POLICIES", "EvictionConfig", "EvictionResult", "PageEntroKV", "Selection", "select"]

@@ -1,0 +1,124 @@
+"""The controller: one object a user configures, which prefills a prompt with the
+observation window switched on, selects pages with its policy and compacts the cache.
+
+    ctl = PageEntroKV(budget=0.2, page_size=16, window=32)
+    result = ctl.prefill(llm, tokens)       # llm: a llama_cpp.Llama (after import entrokv_edge)
+    result.metrics["uor_mean"], result.to_json()
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..bindings import compact, geometry
+from ..bindings.observe import Observation, WindowScores
+from . import metrics as M
+from .config import EvictionConfig
+from .pages import pages_to_positions
+from .policies import Selection, select
+from .weights import collision, head_weights, isolate_sinks, masquerade_ratio, sink_mass
+
+
+@dataclass
+class EvictionResult:
+    """What one eviction kept, and its metrics (``metrics`` is JSON-ready)."""
+
+    selection: Selection
+    positions: np.ndarray          # int32 [L, G, K]: true positions kept per (layer, group)
+    metrics: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(self.metrics)
+
+
+class PageEntroKV:
+    """Budgets, pages and entropy weights for a llama_cpp.Llama (see EvictionConfig)."""
+
+    def __init__(self, config: EvictionConfig | None = None, **settings):
+        if config is not None and settings:
+            raise TypeError("give either an EvictionConfig or keyword settings, not both")
+        self.config = config if config is not None else EvictionConfig(**settings)
+
+    def prefill(self, llm, tokens, *, needles=None) -> EvictionResult:
+        """Evaluate ``tokens`` on a fresh context, its last ``window`` tokens as one
+        observed ubatch, then evict. Bad settings raise before anything is evaluated."""
+        cfg, tokens = self.config, [int(t) for t in tokens]
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("empty prompt")
+        cfg.budget_pages(n)  # validates window and budget against this prompt
+        g = geometry(llm)
+        if g.n_used or getattr(llm, "n_tokens", 0):
+            raise ValueError("prefill needs an empty context (call llm.reset() and clear the cache first)")
+        if n > g.kv_size:
+            raise ValueError(f"the prompt ({n} tokens) does not fit the cache ({g.kv_size} cells)")
+        if n > cfg.window:
+            llm.eval(tokens[: n - cfg.window])
+        with Observation(llm, cfg.window) as obs:
+            llm.eval(tokens[n - cfg.window:])
+        return self.evict(llm, obs.last, needles=needles)
+
+    def evict(self, llm, scores: WindowScores, *, needles=None) -> EvictionResult:
+        """Select with the configured policy from ``scores`` (observed at the end of the
+        prompt) and compact ``llm``'s never-compacted cache of that prompt."""
+        cfg = self.config
+        g = geometry(llm)
+        n = g.pos_max + 1
+        if g.n_compacted or g.n_used != n or scores.pos_last != g.pos_max:
+            raise ValueError("evict needs the never-compacted cache of the prompt whose end was observed")
+        s = scores.scores[:, :, :n].astype(np.float64)
+        L, H, _ = s.shape
+        G = g.layers[0].n_head_kv
+        r = H // G
+        sel = select(s, r, cfg, n)
+        positions = pages_to_positions(sel.pages, cfg.page_size, n)
+        if cfg.policy != "full":
+            compact(llm, positions.reshape(L * G, -1))  # cells == positions before the first compaction
+        result = EvictionResult(sel, positions)
+        result.metrics = self._metrics(llm, s, r, sel, positions, n, needles)
+        return result
+
+    def _metrics(self, llm, s, r, sel, positions, n, needles) -> dict:
+        cfg = self.config
+        g = geometry(llm)
+        L, H, _ = s.shape
+        G = H // r
+        n_pages = cfg.n_pages(n)
+        u = M.uor(sel.head_pages, r, n_pages)
+        d = M.disagreement(sel.head_pages, r, n_pages)
+        p, flagged = isolate_sinks(s, cfg.sinks)
+        c = collision(p)
+        K = positions.shape[-1]
+        per_layer = []
+        for layer in g.layers:
+            hk = layer.k_bytes_per_cell // layer.n_head_kv
+            hv = layer.v_bytes_per_cell // layer.n_head_kv
+            per_layer.append({"il": layer.il, "pages_per_group": int(sel.pages.shape[-1]), "tokens_per_group": K,
+                              "k_bytes": K * hk * layer.n_head_kv, "v_bytes": K * hv * layer.n_head_kv})
+        total = sum(x["k_bytes"] + x["v_bytes"] for x in per_layer)
+        out = {
+            "policy": cfg.policy, "logical_tokens": n, "page_size": cfg.page_size, "window": cfg.window,
+            "budget_pages": sel.n_budget, "kept_pages": int(sel.pages.shape[-1]), "kept_tokens": K,
+            "policy_uor": sel.pages.shape[-1] / sel.n_budget,
+            "uor_mean": float(u.mean()), "uor_max": float(u.max()), "uor_count": int(u.size),
+            "disagreement_mean": float(d.mean()),
+            "kv_bytes_full": n * g.bytes_per_cell if cfg.policy != "full" else total,
+            "kv_bytes_kept": total, "kv_bytes_engine": g.n_used * g.bytes_per_cell,
+            "layers": per_layer,
+            "heads": {
+                "collision_entropy": (-np.log(np.maximum(c, 1e-300))).tolist(),
+                "weights": head_weights(c, r, cfg.tau).tolist(),
+                "sink_mass": sink_mass(s, cfg.sinks).tolist(),
+                "masquerade_ratio": masquerade_ratio(s, cfg.sinks, r, cfg.tau).tolist(),
+                "all_on_sinks": flagged.tolist(),
+            },
+        }
+        if needles is not None:
+            need = np.asarray(list(needles), dtype=np.int64)
+            kept = np.zeros((L, G, n), dtype=bool)
+            li, gi, _ = np.indices(positions.shape)
+            kept[li, gi, positions] = True
+            out["needle_kept"] = kept[:, :, need].all(axis=-1).tolist()
+        return out

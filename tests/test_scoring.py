@@ -1,0 +1,78 @@
+"""The in-graph observation-window scores against an independent numpy reference."""
+import numpy as np
+import pytest
+
+import entrokv_edge as ek
+from entrokv_edge.bindings.observe import Observation
+from helpers import feed, make_llm
+from reference import CapturingContext, reference_scores
+
+W = 16
+
+
+def check_against_reference(path, toks, flash_attn, type_k, head_dim):
+    cc = CapturingContext(path, flash_attn=flash_attn, type_k=type_k)
+    try:
+        with Observation(cc.ctx, W) as obs:
+            cc.decode(toks)
+        s = obs.last
+        T = len(toks)
+        assert obs.count == 1 and s.window == W and s.n_tokens == T and s.pos_last == T - 1
+        g = ek.geometry(cc.ctx)
+        assert list(s.layer_ids) == [l.il for l in g.layers]
+        assert (s.true_pos[:, :T] == np.arange(T)).all() and (s.true_pos[:, T:] == -1).all()
+        worst = 0.0
+        for li, il in enumerate(s.layer_ids):
+            ref = reference_scores(cc.captured[f"Qcur-{il}"], cc.captured[f"Kcur-{il}"], W, 1 / np.sqrt(head_dim))
+            worst = max(worst, np.abs(s.scores[li, :, :T] - ref).max())
+            assert np.abs(s.scores[li, :, T:]).max() < 1e-7          # empty cells get nothing
+        assert worst < 1e-3, worst
+        return worst
+    finally:
+        cc.close()
+
+
+@pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
+@pytest.mark.parametrize("model", ["llama-r1", "llama-r2", "llama-r3", "llama-r6", "qwen2-r3"])
+def test_scores_match_reference_on_synthetic_models(synth_models, model, fa):
+    toks = np.random.default_rng(3).integers(3, 300, 80)
+    check_against_reference(synth_models[model], toks, fa, type_k=0, head_dim=32)
+
+
+@pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
+def test_scores_match_reference_on_smollm2(smollm2, fa):
+    import llama_cpp
+    m = llama_cpp.Llama(str(smollm2), vocab_only=True, verbose=False)
+    toks = m.tokenize(b"In the quiet harbour town, the keeper of the lighthouse kept a ledger of every ship. "
+                      b"One night he wrote the code 4417 beside the name of a schooner that never came back.")
+    check_against_reference(smollm2, toks, fa, type_k=1, head_dim=64)
+
+
+def test_observation_through_llama_and_after_compaction(synth_models):
+    llm = make_llm(synth_models["llama-r3"])
+    toks = np.random.default_rng(4).integers(3, 300, 64)
+    feed(llm, toks[:-W])
+    with Observation(llm, W) as obs:
+        feed(llm, toks[-W:])
+        assert obs.count == 1
+        feed(llm, [5])                      # a 1-token ubatch is shorter than the window: not observed
+        assert obs.count == 1
+    g = ek.geometry(llm)
+    keep = np.sort(np.stack([np.random.default_rng(s).choice(65, 20, replace=False) for s in range(g.n_slots)]), 1)
+    ek.compact(llm, keep.astype(np.int32))
+    with Observation(llm, W) as obs:
+        feed(llm, np.random.default_rng(5).integers(3, 300, W))
+    s = obs.last
+    assert (s.true_pos[:, :20] == keep).all()                     # columns map to true positions per slot
+    assert (s.true_pos[:, 20:20 + W] == np.arange(65, 65 + W)).all()
+    np.testing.assert_allclose(s.scores.sum(-1), 1.0, atol=1e-5)
+    feed(llm, [7, 8])                        # observation off: decoding goes on normally
+    assert ek.geometry(llm).pos_max == 65 + W + 1
+
+
+def test_bad_windows_are_refused(synth_models):
+    llm = make_llm(synth_models["llama-r2"], n_ctx=64)
+    with pytest.raises(ValueError):
+        Observation(llm, 0)
+    with pytest.raises(ek.EntroKVError, match="n_ubatch"):
+        Observation(llm, 65).start()
