@@ -5,8 +5,10 @@ from .native import (
     KVLayer,
     compact,
     context_pointer,
+    evict_native,
     geometry,
     n_refused,
+    select_pages_native,
     true_positions,
 )
 
@@ -16,7 +18,9 @@ __all__ = [
     "KVLayer",
     "compact",
     "context_pointer",
+    "evict_native",
     "geometry",
     "n_refused",
+    "select_pages_native",
     "true_positions",
 ]

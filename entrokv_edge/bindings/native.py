@@ -208,3 +208,30 @@ def n_refused(llm) -> int:
     corrupted compacted cells (range seq_rm, seq_add, seq_div)."""
     _, lib = _api()
     return _check(lib.llama_entrokv_n_refused(context_pointer(llm)))
+
+
+def _params(ffi, lib, *, budget: int, page_size: int, sinks: int, recent: int, tau: float, page_max: bool):
+    p = ffi.new("struct llama_entrokv_params *", lib.llama_entrokv_default_params())
+    p.budget, p.page_size, p.sinks, p.recent, p.tau, p.page_max = budget, page_size, sinks, recent, tau, int(page_max)
+    return p
+
+
+def select_pages_native(scores: np.ndarray, n_head_kv: int, *, budget: int, page_size: int = 16, sinks: int = 4,
+                        recent: int = 32, tau: float = 1.0, page_max: bool = False) -> np.ndarray:
+    """The C Page-EntroKV selector: scores float32 [L, H, n] -> pages int32 [L, G, N]."""
+    ffi, lib = _api()
+    s = np.ascontiguousarray(scores, dtype=np.float32)
+    L, H, n = s.shape
+    out = np.empty(L * n_head_kv * -(-n // max(page_size, 1)), dtype=np.int32)
+    p = _params(ffi, lib, budget=budget, page_size=page_size, sinks=sinks, recent=recent, tau=tau, page_max=page_max)
+    N = _check(lib.llama_entrokv_select_pages(ffi.from_buffer("float[]", s), L, H, n_head_kv, n, p,
+                                              ffi.from_buffer("int32_t[]", out), out.size))
+    return out[: L * n_head_kv * N].reshape(L, n_head_kv, N)
+
+
+def evict_native(llm, *, budget: int, page_size: int = 16, sinks: int = 4, recent: int = 32, tau: float = 1.0,
+                 page_max: bool = False, seq_id: int = 0) -> int:
+    """The C one-call eviction (last observed scores, then compaction); returns tokens kept per group."""
+    ffi, lib = _api()
+    p = _params(ffi, lib, budget=budget, page_size=page_size, sinks=sinks, recent=recent, tau=tau, page_max=page_max)
+    return _check(lib.llama_entrokv_evict(context_pointer(llm), seq_id, p))

@@ -1,0 +1,86 @@
+"""The controller end to end: prefill with observation, every policy through the same
+compaction, metrics that agree with the engine, and the C one-call eviction."""
+import codecs
+import this  # noqa: F401  (the Zen of Python: a fixed English text shipped with Python)
+
+import numpy as np
+import pytest
+
+import entrokv_edge as ek
+from entrokv_edge.bindings import evict_native
+from helpers import feed, greedy, load_blob, make_llm, state_blob
+from llama_cpp import llama_cpp as C
+
+ZEN = codecs.decode(this.s, "rot13")
+
+
+def long_text(n_lines):
+    lines = [l for l in ZEN.splitlines() if l.strip()]
+    return "\n".join(f"Rule {i}: {lines[i % len(lines)]}" for i in range(n_lines))
+
+
+def observed_prefill(llm, toks, w):
+    feed(llm, toks[:-w])
+    with ek.Observation(llm, w) as obs:
+        feed(llm, toks[-w:])
+    return obs.last
+
+
+def test_every_policy_on_smollm2_generates_and_accounts_memory_exactly(smollm2):
+    llm = make_llm(smollm2, n_ctx=2048)
+    toks = llm.tokenize(long_text(120).encode())[:1500]
+    scores = observed_prefill(llm, toks, 32)
+    blob = state_blob(llm)
+    g = ek.geometry(llm)
+    seen = {}
+    for policy in ek.POLICIES:
+        C.llama_memory_clear(llm._ctx.memory, True)
+        load_blob(llm, blob, toks)
+        res = ek.PageEntroKV(budget=0.2, policy=policy).evict(llm, scores)
+        m = res.metrics
+        assert m["kv_bytes_kept"] == m["kv_bytes_engine"] == ek.geometry(llm).n_used * g.bytes_per_cell
+        assert m["uor_count"] == 90 and 1.0 <= m["uor_mean"] <= m["uor_max"] <= 3.0
+        assert m["budget_pages"] == (1500 * 2 // 10) // 16 or policy == "full"
+        if policy in ("head-independent", "full"):
+            assert m["kept_pages"] >= m["budget_pages"]
+        else:
+            assert m["policy_uor"] == 1.0 and m["kept_tokens"] == (m["budget_pages"] - 1) * 16 + 1500 % 16
+        toks_out, _ = greedy(llm, toks[-1], 8)
+        text = llm.detokenize(toks_out).decode("utf-8", "replace")
+        assert len(toks_out) == 8 and text.strip(), policy
+        seen[policy] = res.positions
+        assert res.to_json().startswith("{")
+    assert not np.array_equal(seen["page-entrokv"], seen["streaming"])
+
+
+def test_c_one_call_eviction_equals_the_python_controller(synth_models):
+    path = synth_models["llama-r3"]
+    toks = np.random.default_rng(0).integers(3, 300, 150)
+    a, b = make_llm(path), make_llm(path)
+    sa = observed_prefill(a, toks, 16)
+    observed_prefill(b, toks, 16)
+    ek.PageEntroKV(budget=48, page_size=8, window=16, sinks=4).evict(a, sa)
+    kept = evict_native(b, budget=48, page_size=8, sinks=4, recent=16)
+    assert kept == ek.geometry(a).n_used == 48 - 8 + 150 % 8
+    assert state_blob(a) == state_blob(b)
+    assert np.array_equal(ek.true_positions(a), ek.true_positions(b))
+
+
+def test_prefill_controller_and_its_refusals(synth_models):
+    path = synth_models["llama-r2"]
+    llm = make_llm(path)
+    toks = np.random.default_rng(1).integers(3, 300, 120)
+    with pytest.raises(ValueError, match="longer than the prompt"):
+        ek.PageEntroKV(window=32).prefill(llm, toks[:20])
+    with pytest.raises(ValueError, match="protected pages"):
+        ek.PageEntroKV(budget=8, page_size=8).prefill(llm, toks)
+    assert ek.geometry(llm).n_used == 0                       # nothing was evaluated
+    res = ek.PageEntroKV(budget=0.5, page_size=8, window=16).prefill(llm, toks, needles=[60, 61])
+    assert ek.geometry(llm).n_used == res.metrics["kept_tokens"] == 56   # 7 pages of 8 (120 = 15 pages)
+    kept = set(res.positions[0, 0].tolist())
+    assert res.metrics["needle_kept"][0][0] == ({60, 61} <= kept)
+    assert np.array(res.metrics["needle_kept"]).shape == (2, 3)          # (layers, KV heads)
+    with pytest.raises(ValueError, match="empty context"):
+        ek.PageEntroKV(budget=0.5, page_size=8, window=16).prefill(llm, toks)
+    with pytest.raises(TypeError):
+        ek.PageEntroKV(ek.EvictionConfig(), budget=0.3)

@@ -1,0 +1,161 @@
+"""The controller's definitions: metrics identities, exact budgets, tie-breaking, the
+constructed cases of the method, and agreement between the Python and C selectors."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from entrokv_edge import POLICIES, EvictionConfig
+from entrokv_edge.bindings import select_pages_native
+from entrokv_edge.controller import metrics as M
+from entrokv_edge.controller import select
+from entrokv_edge.controller.pages import page_scores, pages_to_positions, select_pages
+from entrokv_edge.controller.weights import collision, head_weights, isolate_sinks, masquerade_ratio
+
+
+@st.composite
+def head_sets(draw, r):
+    n_pages = draw(st.integers(4, 40))
+    N = draw(st.integers(1, n_pages))
+    sets = [np.sort(np.array(draw(st.permutations(range(n_pages)))[:N])) for _ in range(r)]
+    return np.stack(sets)[None].astype(np.int32), N, n_pages  # [1, r, N]
+
+
+@given(head_sets(2))
+def test_uor_equals_one_plus_disagreement_for_pairs(data):
+    hp, N, n_pages = data
+    assert np.isclose(M.uor(hp, 2, n_pages)[0, 0], 1 + M.disagreement(hp, 2, n_pages)[0, 0])
+
+
+@given(st.integers(2, 6).flatmap(lambda r: head_sets(r).map(lambda d: (r, d))))
+def test_uor_bounds_for_every_group_ratio(arg):
+    r, (hp, N, n_pages) = arg
+    u = M.uor(hp, r, n_pages)[0, 0]
+    d = M.disagreement(hp, r, n_pages)[0, 0]
+    assert 1 + d - 1e-12 <= u <= 1 + (r - 1) * d + 1e-12
+
+
+@settings(max_examples=150, deadline=None)
+@given(P=st.integers(1, 64), n=st.integers(1, 700), sinks=st.integers(0, 40), extra=st.integers(0, 60),
+       frac=st.floats(0.05, 1.0), policy=st.sampled_from(POLICIES), seed=st.integers(0, 2**16))
+def test_budget_is_exact_for_every_page_size(P, n, sinks, extra, frac, policy, seed):
+    window = max(1, min(n, 8))
+    cfg_args = dict(page_size=P, window=window, sinks=sinks, recent=window + extra, policy=policy)
+    budget = max(1, int(frac * n))
+    cfg = EvictionConfig(budget=budget, **cfg_args)
+    s = np.random.default_rng(seed).random((2, 6, n))
+    need = len(cfg.protected(n))
+    if policy != "full" and min(budget // P, cfg.n_pages(n)) < need:
+        with pytest.raises(ValueError, match="protected pages"):
+            select(s, 3, cfg)
+        return
+    sel = select(s, 3, cfg)
+    pos = pages_to_positions(sel.pages, P, n)
+    N = cfg.n_pages(n) if policy == "full" else min(budget // P, cfg.n_pages(n))
+    assert sel.n_budget == N
+    if policy != "head-independent":
+        assert sel.pages.shape == (2, 2, N)             # exactly N pages in every (layer, group)
+    assert (np.diff(sel.pages, axis=-1) > 0).all()
+    assert set(cfg.protected(n)) <= set(sel.pages[0, 0].tolist())
+    assert pos.shape[:2] == (2, 2) and (pos < n).all()   # the same token count everywhere
+
+
+@given(P=st.integers(1, 16), n=st.integers(40, 300), seed=st.integers(0, 1000))
+def test_ties_break_to_lower_positions_deterministically(P, n, seed):
+    cfg = EvictionConfig(budget=max(n // 2, 40), page_size=P, window=8, sinks=2)
+    s = np.ones((1, 4, n)) / n
+    a, b = select(s, 2, cfg), select(s.copy(), 2, cfg)
+    assert np.array_equal(a.pages, b.pages)
+    prot = cfg.protected(n)
+    free = [j for j in range(cfg.n_pages(n)) if j not in prot][: a.n_budget - len(prot)]
+    assert a.pages[0, 0].tolist() == sorted(prot + free)
+
+
+@pytest.mark.parametrize("P", [1, 4, 8, 16, 32, 64])
+def test_page_entrokv_keeps_one_set_per_group(P):
+    n = 1000 + P // 2
+    cfg = EvictionConfig(budget=0.3, page_size=P, window=32)
+    sel = select(np.random.default_rng(P).random((3, 9, n)), 3, cfg)
+    assert sel.pages.shape[-1] == sel.n_budget            # UOR = 1.000 exactly
+    assert sel.pages.shape[-1] / sel.n_budget == 1.0
+    u = M.uor(sel.head_pages, 3)
+    assert u.min() >= 1.0 and u.max() <= 3.0
+
+
+def _needle_case():
+    """One group of r = 3 heads over 16 pages of 16 tokens: two diffuse heads that
+    favour page 3, one retrieval head locked on a needle token in page 10."""
+    n, P = 256, 16
+    s = np.full((1, 3, n), 0.2 / n)
+    s[0, 0:2, 48:64] += 0.5 / 16          # heads 0, 1: half their mass spread over page 3
+    s[0, 2, 165] += 0.9                    # head 2: the needle (page 10)
+    s /= s.sum(-1, keepdims=True)
+    return s, EvictionConfig(budget=3 * P, page_size=P, window=16, sinks=4)  # pages 0 and 15 protected: one free pick
+
+
+def test_constructed_needle_survives_page_entrokv_but_not_mean_pooling():
+    s, cfg = _needle_case()
+    ours = select(s, 3, cfg).pages[0, 0].tolist()
+    mean = select(s, 3, EvictionConfig(**{**cfg.__dict__, "policy": "mean-pool"})).pages[0, 0].tolist()
+    assert 10 in ours and 10 not in mean and 3 in mean
+
+
+def test_constructed_sink_head_loses_its_weight_under_isolation():
+    n = 200
+    rng = np.random.default_rng(0)
+    s = rng.random((1, 3, n)) * 0.01
+    s[0, 0, 0] = 5.0                        # head 0 dumps its attention on the sink
+    s[0, 1, 120:124] += 0.2                 # head 1 is the real retrieval head
+    s /= s.sum(-1, keepdims=True)
+    w_iso = head_weights(collision(isolate_sinks(s, 4)[0]), 3)
+    ratio = masquerade_ratio(s, 4, 3)
+    assert ratio[0, 0] > 5 and w_iso[0, 0] < w_iso[0, 1]
+    nis = select(s, 3, EvictionConfig(budget=8 * 4, page_size=4, window=8, policy="no-isolation"))
+    ent = select(s, 3, EvictionConfig(budget=8 * 4, page_size=4, window=8))
+    assert 30 in ent.pages[0, 0] and ent.weights[0, 1] > 0.5 > nis.weights[0, 1]
+
+
+def test_all_sink_heads_fall_back_to_uniform():
+    s = np.zeros((1, 2, 50))
+    s[0, :, :4] = 0.25
+    p, flagged = isolate_sinks(s, 4)
+    assert flagged.all() and np.allclose(p[0, 0, 4:], 1 / 46) and (p[..., :4] == 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(r=st.sampled_from([1, 2, 3, 4, 6]), P=st.integers(1, 32), n=st.integers(64, 900),
+       tau=st.sampled_from([0.5, 1.0, 2.0]), mode=st.sampled_from(["sum", "max"]), seed=st.integers(0, 2**16))
+def test_python_and_c_selectors_agree(r, P, n, tau, mode, seed):
+    H = 6 if r in (1, 2, 3, 6) else 8
+    G = H // r
+    rng = np.random.default_rng(seed)
+    s = rng.dirichlet(np.full(n, 0.3), size=(3, H)).astype(np.float32)
+    window = min(32, n)
+    budget = max(int(0.3 * n), (2 + -(-4 // P) + -(-window // P)) * P)
+    cfg = EvictionConfig(budget=budget, page_size=P, window=window, tau=tau, page_score=mode)
+    py = select(s.astype(np.float64), r, cfg).pages
+    c = select_pages_native(s, G, budget=budget, page_size=P, sinks=cfg.sinks, recent=cfg.rho, tau=tau,
+                            page_max=(mode == "max"))
+    assert np.array_equal(py, c)
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="page_size"):
+        EvictionConfig(page_size=0)
+    with pytest.raises(ValueError, match="unknown policy"):
+        EvictionConfig(policy="best")
+    with pytest.raises(ValueError, match="recent"):
+        EvictionConfig(window=32, recent=8)
+    with pytest.raises(ValueError, match="fraction"):
+        EvictionConfig(budget=1.5)
+    with pytest.raises(ValueError, match="longer than the prompt"):
+        EvictionConfig(window=64).budget_pages(40)
+    with pytest.raises(ValueError, match="protected pages"):
+        EvictionConfig(budget=16, page_size=16).budget_pages(1000)
+
+
+def test_page_scores_sum_and_max_on_partial_last_page():
+    S = np.arange(10, dtype=float)[None]
+    assert page_scores(S, 4).tolist() == [[6, 22, 17]]
+    assert page_scores(S, 4, "max").tolist() == [[3, 7, 9]]
+    assert select_pages(np.array([[1.0, 5.0, 5.0, 0.0]]), 2, [0]).tolist() == [[0, 1]]
