@@ -19,16 +19,24 @@ def page_scores(S: np.ndarray, P: int, mode: str = "sum") -> np.ndarray:
 
 def select_pages(pi: np.ndarray, N: int, protected) -> np.ndarray:
     """int32 [..., N], ascending: the protected pages plus the highest-scoring others,
-    ties broken by lower page index. Every row keeps exactly N pages."""
+    ties broken by lower page index. Every row keeps exactly N pages.
+
+    O(n_pages) per row: a partition finds the N-th largest key; pages above it are kept,
+    and of the pages equal to it, the lowest-indexed fill the rest."""
     n_pages = pi.shape[-1]
     prot = np.zeros(n_pages, dtype=bool)
     prot[list(protected)] = True
     if N < prot.sum() or N > n_pages:
         raise ValueError(f"cannot keep {N} pages: {int(prot.sum())} are protected, {n_pages} exist")
+    if N == 0:
+        return np.zeros((*pi.shape[:-1], 0), dtype=np.int32)
     key = np.where(prot, np.inf, np.asarray(pi, dtype=np.float64))
-    # stable sort of -key keeps lower indices first among equal scores
-    order = np.argsort(-key, axis=-1, kind="stable")[..., :N]
-    return np.sort(order, axis=-1).astype(np.int32)
+    kth = -np.partition(-key, N - 1, axis=-1)[..., N - 1: N]        # the N-th largest key per row
+    above = key > kth
+    tie = key == kth
+    need = N - above.sum(axis=-1, keepdims=True)
+    keep = above | (tie & (np.cumsum(tie, axis=-1) <= need))
+    return np.nonzero(keep)[-1].reshape(*pi.shape[:-1], N).astype(np.int32)
 
 
 def pages_to_positions(pages: np.ndarray, P: int, n: int) -> np.ndarray:

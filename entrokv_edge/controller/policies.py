@@ -7,73 +7,107 @@ which keeps the union of its heads' choices padded to the largest union.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from .config import EvictionConfig
 from .pages import page_scores, select_pages
-from .weights import collision, head_weights, isolate_sinks, normalize, pool
+from .stats import head_page_dist, head_stats
+from .weights import head_weights, pool
 
 
 @dataclass
 class Selection:
-    pages: np.ndarray            # int32 [L, G, N'] ascending page indices
-    n_budget: int                # N: the budget in pages
-    head_pages: np.ndarray       # int32 [L, H, N]: each head's own top-N pages (for UOR replay)
-    weights: np.ndarray | None   # [L, H] head weights where the policy has them
+    """pages int32 [L, G, N'] (ascending page indices per group), n_budget = N, weights
+    [L, H] where the policy has them, and ``head_pages`` int32 [L, H, N]: each query
+    head's own top-N pages (the head-independent replay behind the UOR metrics),
+    computed on first use."""
+
+    pages: np.ndarray
+    n_budget: int
+    weights: np.ndarray | None
+    _heads: Callable[[], np.ndarray] = field(repr=False)
+    _head_pages: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def head_pages(self) -> np.ndarray:
+        if self._head_pages is None:
+            self._head_pages = self._heads()
+        return self._head_pages
 
 
-def head_choices(s: np.ndarray, cfg: EvictionConfig, N: int, protected) -> np.ndarray:
-    """[L, H, N]: the pages each query head would keep alone (its own sink-isolated scores)."""
-    p, _ = isolate_sinks(s, cfg.sinks)
-    return select_pages(page_scores(p, cfg.page_size, cfg.page_score), N, protected)
+def _token_page_max(x: np.ndarray, P: int) -> np.ndarray:
+    return page_scores(x, P, "max")
 
 
 def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None) -> Selection:
     """Run ``cfg.policy`` on window scores s [L, H, n] of a GQA model with group ratio r."""
-    s = np.asarray(s, dtype=np.float64)
+    s = np.asarray(s)
+    if s.dtype not in (np.float32, np.float64):
+        s = s.astype(np.float64)
     L, H, n_s = s.shape
     n = n_s if n is None else n
     if H % r:
         raise ValueError(f"{H} query heads do not split into groups of {r}")
     G = H // r
+    P, mode = cfg.page_size, cfg.page_score
     N = cfg.budget_pages(n)
     prot = cfg.protected(n)
-    heads = head_choices(s, cfg, N, prot)
-    P, mode = cfg.page_size, cfg.page_score
-    w = None
+    n_pages = cfg.n_pages(n)
+    st = head_stats(s, cfg.sinks, P)
+    k = min(cfg.sinks, n)
+
+    def token_dist(isolated: bool) -> np.ndarray:
+        """[L, H, n] head distributions (only the max page score needs them)."""
+        if not isolated:
+            return s / np.where(st.mass_all > 0, st.mass_all, 1.0)[..., None]
+        p = s / np.where(st.flagged, 1.0, st.mass_iso)[..., None]
+        p[..., :k] = 0.0
+        if st.flagged.any():
+            p[st.flagged] = np.where(np.arange(n) < k, 0.0, 1.0 / max(n - k, 1))
+        return p
+
+    def heads() -> np.ndarray:
+        own = head_page_dist(st) if mode == "sum" else _token_page_max(token_dist(True), P)
+        return select_pages(own, N, prot)
+
+    w, head_pages = None, None
     if cfg.policy == "full":
-        pages = np.broadcast_to(np.arange(cfg.n_pages(n), dtype=np.int32), (L, G, cfg.n_pages(n))).copy()
+        pages = np.broadcast_to(np.arange(n_pages, dtype=np.int32), (L, G, n_pages)).copy()
     elif cfg.policy == "streaming":
-        recency = np.broadcast_to(np.arange(cfg.n_pages(n), dtype=np.float64), (L, G, cfg.n_pages(n)))
-        pages = select_pages(recency, N, prot)
+        pages = select_pages(np.broadcast_to(np.arange(n_pages, dtype=np.float64), (L, G, n_pages)), N, prot)
     elif cfg.policy in ("page-entrokv", "no-isolation", "mean-pool"):
-        p = normalize(s) if cfg.policy == "no-isolation" else isolate_sinks(s, cfg.sinks)[0]
-        w = np.full((L, H), 1.0 / r) if cfg.policy == "mean-pool" else head_weights(collision(p), r, cfg.tau)
-        pages = select_pages(page_scores(pool(p, w, r), P, mode), N, prot)
+        isolated = cfg.policy != "no-isolation"
+        c = st.c_iso if isolated else st.c_all
+        w = np.full((L, H), 1.0 / r) if cfg.policy == "mean-pool" else head_weights(c, r, cfg.tau)
+        if mode == "sum":
+            pi = np.einsum("lgrp,lgr->lgp", head_page_dist(st, isolated).reshape(L, G, r, n_pages), w.reshape(L, G, r))
+        else:
+            pi = _token_page_max(pool(token_dist(isolated), w, r), P)
+        pages = select_pages(pi, N, prot)
     elif cfg.policy == "max-pool":
         pages = select_pages(page_scores(s.reshape(L, G, r, n_s).max(axis=2), P, mode), N, prot)
     elif cfg.policy == "head-independent":
-        pages = union_padded(heads, s, r, cfg)
+        mean = np.einsum("lgrp->lgp", head_page_dist(st).reshape(L, G, r, n_pages)) / r
+        head_pages = heads()
+        pages = union_padded(head_pages, mean)
     else:  # guarded by EvictionConfig
         raise ValueError(cfg.policy)
-    return Selection(pages=pages, n_budget=N, head_pages=heads, weights=w)
+    return Selection(pages=pages, n_budget=N, weights=w, _heads=heads, _head_pages=head_pages)
 
 
-def union_padded(heads: np.ndarray, s: np.ndarray, r: int, cfg: EvictionConfig) -> np.ndarray:
-    """[L, G, U]: per group the union of its heads' pages, padded with the group's
-    next-best pages (mean-pooled score) to the largest union U over all groups, since
-    one shared cell index needs equal lengths."""
-    L, H, N = heads.shape
-    G = H // r
-    n_pages = -(-s.shape[-1] // cfg.page_size)
+def union_padded(heads: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """[L, G, U]: per group the union of its heads' pages (heads [L, H, N], r consecutive
+    heads per group), padded with the group's next-best pages by ``score`` [L, G, n_pages]
+    to the largest union U over all groups, since one shared cell index needs equal lengths."""
+    L, G, n_pages = score.shape
+    r = heads.shape[1] // G
     member = np.zeros((L, G, n_pages), dtype=bool)
     li, hi, _ = np.indices(heads.shape)
     member[li, hi // r, heads] = True
     U = int(member.sum(axis=-1).max())
-    p, _ = isolate_sinks(s, cfg.sinks)
-    mean = page_scores(pool(p, np.full((L, H), 1.0 / r), r), cfg.page_size, cfg.page_score)
-    key = np.where(member, np.inf, mean)
+    key = np.where(member, np.inf, score)
     order = np.argsort(-key, axis=-1, kind="stable")[..., :U]
     return np.sort(order, axis=-1).astype(np.int32)

@@ -5,7 +5,8 @@
 // For each (layer, group): sink-isolated distributions p of the group's query heads,
 // collision c = <p, p>, weights softmax(log(c) / tau) over the group, pooled score
 // S = sum_h w_h p_h, page scores (sum or max of S over each page), then the protected
-// pages plus the highest-scoring others (ties: lower page first), N pages in all.
+// pages plus the highest-scoring others (ties: lower page first), N pages in all. The
+// sum is computed from per-head page sums, which is the same number with less work.
 
 #include "llama-entrokv.h"
 #include "llama-entrokv-impl.h"
@@ -63,28 +64,41 @@ extern "C" int32_t llama_entrokv_select_pages(const float * scores, int32_t L, i
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BUFFER_SIZE, "out holds %zu values, need %zu", n_out, (size_t) L * G * N);
     }
     const int32_t ks = std::min(prm->sinks, n);
+    const double  uniform = 1.0 / std::max(n - ks, 1);
 
-    std::vector<double> p((size_t) r * n), c(r), w(r), S(n), pi(n_pages);
+    // per head: page sums of s without the sinks, non-sink mass and sum of squares; the
+    // page score of the group is linear in them (the same algebra as the Python controller)
+    std::vector<double> pg((size_t) r * n_pages), mass(r), c(r), w(r), S(n), pi(n_pages);
+    std::vector<char> flagged(r);
     std::vector<int32_t> order(n_pages);
     for (int32_t l = 0; l < L; ++l) {
         for (int32_t g = 0; g < G; ++g) {
             for (int32_t i = 0; i < r; ++i) {
                 const float * s = scores + ((size_t) l * H + (size_t) g * r + i) * n;
-                double * ph = p.data() + (size_t) i * n;
-                double mass = 0.0;
-                for (int32_t t = 0; t < n; ++t) {
-                    ph[t] = t < ks ? 0.0 : (double) s[t];
-                    mass += ph[t];
+                double * ph = pg.data() + (size_t) i * n_pages;
+                double m = 0.0, sq = 0.0;
+                for (int32_t j = 0; j < n_pages; ++j) {
+                    double acc = 0.0;
+                    for (int32_t t = std::max(j * P, ks); t < std::min(n, (j + 1) * P); ++t) {
+                        acc += (double) s[t];
+                        sq  += (double) s[t] * (double) s[t];
+                    }
+                    ph[j] = acc;
+                    m += acc;
                 }
-                if (mass > 0.0) {
-                    for (int32_t t = 0; t < n; ++t) { ph[t] /= mass; }
-                } else if (n > ks) {
-                    // all mass on the sinks: uniform over the other keys
-                    for (int32_t t = 0; t < n; ++t) { ph[t] = t < ks ? 0.0 : 1.0 / (n - ks); }
+                flagged[i] = !(m > 0.0);
+                mass[i] = m;
+                if (flagged[i]) {
+                    // all mass on the sinks: the uniform distribution over the other keys
+                    for (int32_t j = 0; j < n_pages; ++j) {
+                        const int32_t lo = std::max(j * P, ks), hi = std::min(n, (j + 1) * P);
+                        ph[j] = hi > lo ? (hi - lo) * uniform : 0.0;
+                    }
+                    c[i] = uniform;
+                } else {
+                    for (int32_t j = 0; j < n_pages; ++j) { ph[j] /= m; }
+                    c[i] = sq / (m * m);
                 }
-                double cc = 0.0;
-                for (int32_t t = 0; t < n; ++t) { cc += ph[t] * ph[t]; }
-                c[i] = cc;
             }
             double mx = -DBL_MAX;
             for (int32_t i = 0; i < r; ++i) {
@@ -94,20 +108,34 @@ extern "C" int32_t llama_entrokv_select_pages(const float * scores, int32_t L, i
             double z = 0.0;
             for (int32_t i = 0; i < r; ++i) { w[i] = std::exp(w[i] - mx); z += w[i]; }
             for (int32_t i = 0; i < r; ++i) { w[i] /= z; }
-            for (int32_t t = 0; t < n; ++t) {
-                double acc = 0.0;
-                for (int32_t i = 0; i < r; ++i) { acc += w[i] * p[(size_t) i * n + t]; }
-                S[t] = acc;
+            if (!prm->page_max) {
+                for (int32_t j = 0; j < n_pages; ++j) {
+                    double acc = 0.0;
+                    for (int32_t i = 0; i < r; ++i) { acc += w[i] * pg[(size_t) i * n_pages + j]; }
+                    pi[j] = acc;
+                }
+            } else {
+                // the max needs the pooled token scores
+                for (int32_t t = 0; t < n; ++t) {
+                    double acc = 0.0;
+                    for (int32_t i = 0; i < r; ++i) {
+                        const float * s = scores + ((size_t) l * H + (size_t) g * r + i) * n;
+                        const double p = t < ks ? 0.0 : (flagged[i] ? uniform : (double) s[t] / mass[i]);
+                        acc += w[i] * p;
+                    }
+                    S[t] = acc;
+                }
+                for (int32_t j = 0; j < n_pages; ++j) {
+                    double v = -DBL_MAX;
+                    for (int32_t t = j * P; t < std::min(n, (j + 1) * P); ++t) { v = std::max(v, S[t]); }
+                    pi[j] = v;
+                }
             }
             for (int32_t j = 0; j < n_pages; ++j) {
-                double v = prm->page_max ? -DBL_MAX : 0.0;
-                for (int32_t t = j * P; t < std::min(n, (j + 1) * P); ++t) {
-                    v = prm->page_max ? std::max(v, S[t]) : v + S[t];
-                }
-                pi[j] = prot[j] ? INFINITY : v;
+                if (prot[j]) { pi[j] = INFINITY; }
             }
             std::iota(order.begin(), order.end(), 0);
-            std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pi[a] > pi[b]; });
+            std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return pi[x] > pi[y]; });
             int32_t * o = out + ((size_t) l * G + g) * N;
             std::copy(order.begin(), order.begin() + N, o);
             std::sort(o, o + N);
