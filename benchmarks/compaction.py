@@ -26,6 +26,8 @@ from entrokv_edge.models import model_path
 from llama_cpp import Llama
 from llama_cpp import llama_cpp as C
 
+from _timing import median_seconds
+
 
 def blob_of(llm) -> bytes:
     size = C.llama_state_seq_get_size(llm.ctx, 0)
@@ -53,12 +55,7 @@ def keep_sets(rng, n_slots: int, n: int, K: int, pattern: str) -> np.ndarray:
 def memcpy_seconds(nbytes: int, repeats: int) -> float:
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
-    ts = []
-    for _ in range(max(repeats, 5)):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return median_seconds(lambda: np.copyto(dst, src), max(repeats, 5))
 
 
 def main() -> int:
@@ -86,21 +83,20 @@ def main() -> int:
             K = int(n * args.keep) // PAGE * PAGE
             kept_bytes = K * g.bytes_per_cell
             for pattern, path_name in [(p, q) for p in ("pages", "tokens") for q in ("host", "graph")]:
-                ts = []
-                for _ in range(args.repeats):
+                def one_compaction():
                     load(llm, snap)
                     assert llm._ctx.kv_cache_seq_rm(0, n, -1)
                     keep = keep_sets(rng, g.n_slots, n, K, pattern)
                     t0 = time.perf_counter()
                     ek.compact(llm, keep, graph=(path_name == "graph"))
-                    ts.append(time.perf_counter() - t0)
                     assert ek.geometry(llm).n_used == K
-                t_c = statistics.median(ts)
+                    return time.perf_counter() - t0
+
+                t_c = statistics.median(one_compaction() for _ in range(args.repeats))
                 t_m = memcpy_seconds(kept_bytes, args.repeats)
                 rows.append(dict(flash_attn=fa, v_trans=g.v_trans, pattern=pattern, path=path_name, cached=n, kept=K,
                                  kept_mib=kept_bytes / 2**20, compact_ms=t_c * 1e3, memcpy_ms=t_m * 1e3,
                                  ratio=t_c / t_m))
-        del llm
 
     print(f"{'V layout':10s} {'keep':6s} {'path':6s} {'cached':>7s} {'kept':>6s} {'kept MiB':>9s} "
           f"{'compact ms':>11s} {'memcpy ms':>10s} {'ratio':>7s}")

@@ -141,21 +141,20 @@ def oracle_blob(full_blob: bytes, geo: ek.KVGeometry, sel: np.ndarray) -> bytes:
     K = sel.shape[1]
     pmax = int(c.pos.max())
     new_k, new_v = [], []
+    def gather_rows(entry, nh, s0):
+        """cells in rows, each head a contiguous byte range of the row"""
+        t, row, data = entry
+        hb = row // nh
+        out = np.empty((K, row), dtype=np.uint8)
+        for h in range(nh):
+            out[:, h * hb:(h + 1) * hb] = data[sel[s0 + h], h * hb:(h + 1) * hb]
+        return t, row, out
+
     for li, layer in enumerate(geo.layers):
         nh, s0 = layer.n_head_kv, layer.slot0
-        t, row, data = c.k[li]
-        hb = row // nh
-        nk = np.empty((K, row), dtype=np.uint8)
-        for h in range(nh):
-            nk[:, h * hb:(h + 1) * hb] = data[sel[s0 + h], h * hb:(h + 1) * hb]
-        new_k.append((t, row, nk))
+        new_k.append(gather_rows(c.k[li], nh, s0))
         if not c.v_trans:
-            t, row, data = c.v[li]
-            hb = row // nh
-            nv = np.empty((K, row), dtype=np.uint8)
-            for h in range(nh):
-                nv[:, h * hb:(h + 1) * hb] = data[sel[s0 + h], h * hb:(h + 1) * hb]
-            new_v.append((t, row, nv))
+            new_v.append(gather_rows(c.v[li], nh, s0))
         else:
             t, el, ne, data = c.v[li]
             hd = ne // nh

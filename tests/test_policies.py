@@ -42,6 +42,10 @@ def test_budget_is_exact_for_every_page_size(P, n, sinks, extra, frac, policy, s
     window = max(1, min(n, 8))
     cfg_args = dict(page_size=P, window=window, sinks=sinks, recent=window + extra, policy=policy)
     budget = max(1, int(frac * n))
+    if policy != "full" and budget // P < -(-sinks // P) + -(-(window + extra) // P):
+        with pytest.raises(ValueError, match="protected pages"):
+            EvictionConfig(budget=budget, **cfg_args)
+        cfg_args["policy"] = policy = "full"
     cfg = EvictionConfig(budget=budget, **cfg_args)
     s = np.random.default_rng(seed).random((2, 6, n))
     need = len(cfg.protected(n))
@@ -151,7 +155,9 @@ def test_config_validation_messages():
     with pytest.raises(ValueError, match="longer than the prompt"):
         EvictionConfig(window=64).budget_pages(40)
     with pytest.raises(ValueError, match="protected pages"):
-        EvictionConfig(budget=16, page_size=16).budget_pages(1000)
+        EvictionConfig(budget=16, page_size=16)              # a token budget is checked at once
+    with pytest.raises(ValueError, match="protected pages"):
+        EvictionConfig(budget=0.01, page_size=16).budget_pages(1000)   # a fraction once n is known
 
 
 def test_page_scores_sum_and_max_on_partial_last_page():

@@ -1,7 +1,6 @@
 """Compaction on the real GGUF models we ship: SmolLM2-135M (llama, r = 3) and
 Gemma 3 270M (iswa: only its full-attention cache is compacted)."""
 import numpy as np
-import pytest
 
 import entrokv_edge as ek
 from helpers import feed, greedy, load_blob, make_llm, oracle_blob, parse_cache, random_keep, state_blob

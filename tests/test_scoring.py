@@ -76,3 +76,22 @@ def test_bad_windows_are_refused(synth_models):
         Observation(llm, 0)
     with pytest.raises(ek.EntroKVError, match="n_ubatch"):
         Observation(llm, 65).start()
+
+
+@pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
+def test_observing_does_not_change_the_model_and_toggles_cleanly(synth_models, fa):
+    path = synth_models["qwen2-r2"]
+    a, b = make_llm(path, flash_attn=fa), make_llm(path, flash_attn=fa)
+    toks = np.random.default_rng(6).integers(3, 300, 90)
+    feed(a, toks[:40]), feed(b, toks[:40])
+    for rnd in range(3):                     # on, off, on: graphs rebuilt and re-reserved each time
+        chunk = toks[40 + rnd * 16: 56 + rnd * 16]
+        if rnd != 1:
+            with Observation(a, W) as obs:
+                la = feed(a, chunk)
+            assert obs.count == 1 and obs.last.pos_last == 55 + rnd * 16
+        else:
+            la = feed(a, chunk)
+        assert np.array_equal(la, feed(b, chunk))
+    for t in (3, 4, 5):                      # and single-token decoding after it
+        assert np.array_equal(feed(a, [t]), feed(b, [t]))

@@ -55,6 +55,11 @@ class EvictionConfig:
             bad(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.page_score not in ("sum", "max"):
             bad(f"page_score must be 'sum' or 'max', got {self.page_score!r}")
+        if isinstance(self.budget, int) and self.policy != "full":
+            need = -(-self.sinks // self.page_size) + -(-self.rho // self.page_size)
+            if self.budget // self.page_size < need:
+                bad(f"budget of {self.budget} tokens = {self.budget // self.page_size} pages of {self.page_size} is "
+                    f"smaller than the {need} protected pages (sinks {self.sinks}, recent {self.rho})")
 
     @property
     def rho(self) -> int:
