@@ -356,8 +356,14 @@ static void gather_rows_u16(char * row0, size_t row_bytes, int32_t n_rows, int32
                 r[j] = r[src[j]];
             }
         } else {
+            // forward element copies: a source is never below its destination, so an
+            // overlapping run copies correctly, and short runs (pages) avoid a call each
             for (const auto & run : runs) {
-                memmove(r + run.dst, r + run.src, (size_t) run.len * sizeof(uint16_t));
+                uint16_t * d = r + run.dst;
+                const uint16_t * src_run = r + run.src;
+                for (int32_t i = 0; i < run.len; ++i) {
+                    d[i] = src_run[i];
+                }
             }
         }
     }
