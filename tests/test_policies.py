@@ -75,13 +75,15 @@ def test_ties_break_to_lower_positions_deterministically(P, n, seed):
     assert a.pages[0, 0].tolist() == sorted(prot + free)
 
 
-@pytest.mark.parametrize("P", [1, 4, 8, 16, 32, 64])
-def test_page_entrokv_keeps_one_set_per_group(P):
-    n = 1000 + P // 2
-    cfg = EvictionConfig(budget=0.3, page_size=P, window=32)
+@pytest.mark.parametrize("P", range(1, 65))
+def test_page_entrokv_keeps_one_set_per_group_for_every_page_size(P):
+    n = 1000 + P // 2 + 1                                 # never a multiple of P (but for P = 1)
+    cfg = EvictionConfig(budget=0.3, page_size=P, window=32, sinks=4 + P // 3)   # protections may overlap
     sel = select(np.random.default_rng(P).random((3, 9, n)), 3, cfg)
-    assert sel.pages.shape[-1] == sel.n_budget            # UOR = 1.000 exactly
-    assert sel.pages.shape[-1] / sel.n_budget == 1.0
+    N = min(int(0.3 * n) // P, -(-n // P))
+    assert sel.n_budget == N and sel.pages.shape == (3, 3, N)   # UOR = 1.000 exactly, everywhere
+    pos = pages_to_positions(sel.pages, P, n)
+    assert pos.shape == (3, 3, (N - 1) * P + (n - (n // P) * P or P))
     u = M.uor(sel.head_pages, 3)
     assert u.min() >= 1.0 and u.max() <= 3.0
 
