@@ -291,6 +291,15 @@ struct strided {
     size_t n;      // bytes of one element
 };
 
+template <size_t N_BYTES>
+static void copy_slices(const strided & a, int32_t K, const int32_t * src) {
+    for (int32_t j = 0; j < K; ++j) {
+        if (src[j] != j) {
+            memcpy(a.base + (size_t) j * a.stride, a.base + (size_t) src[j] * a.stride, N_BYTES);
+        }
+    }
+}
+
 static void gather_sorted(const strided & a, int32_t K, const int32_t * src) {
     if (a.stride == a.n) {
         for (int32_t j = 0; j < K; ) {
@@ -305,10 +314,17 @@ static void gather_sorted(const strided & a, int32_t K, const int32_t * src) {
         }
         return;
     }
-    for (int32_t j = 0; j < K; ++j) {
-        if (src[j] != j) {
-            memcpy(a.base + (size_t) j * a.stride, a.base + (size_t) src[j] * a.stride, a.n);
-        }
+    // one head's slice of a row: constant sizes let the compiler inline the copy
+    switch (a.n) {
+        case  64: copy_slices< 64>(a, K, src); break;
+        case 128: copy_slices<128>(a, K, src); break;
+        case 256: copy_slices<256>(a, K, src); break;
+        default:
+            for (int32_t j = 0; j < K; ++j) {
+                if (src[j] != j) {
+                    memcpy(a.base + (size_t) j * a.stride, a.base + (size_t) src[j] * a.stride, a.n);
+                }
+            }
     }
 }
 
