@@ -68,3 +68,20 @@ def test_gemma3_compacts_the_base_cache_and_leaves_swa_untouched(gemma3):
     tb, lb = greedy(b, 236764, 40)
     assert ta == tb and max(np.abs(x - y).max() for x, y in zip(la, lb)) <= 1e-5
     assert ek.geometry(a).pos_max == n + 39
+
+
+def test_gemma3_observes_and_evicts_only_its_full_attention_layers(gemma3):
+    llm = make_llm(gemma3, n_ctx=512)
+    toks = tokens(llm)
+    feed(llm, toks[:-16])
+    with ek.Observation(llm, 16) as obs:
+        feed(llm, toks[-16:])
+    s = obs.last
+    assert list(s.layer_ids) == [5, 11, 17] and s.scores.shape[:2] == (3, 4) and s.n_head_kv == 1
+    np.testing.assert_allclose(s.scores.sum(-1), 1.0, atol=1e-4)
+    res = ek.PageEntroKV(budget=32, page_size=8, window=16).evict(llm, s)
+    assert ek.geometry(llm).n_used == res.metrics["kept_tokens"] == 24 + (len(toks) % 8 or 8)
+    assert res.metrics["policy_uor"] == 1.0 and res.metrics["uor_count"] == 3   # MQA: one group of 4 per layer
+    assert 1.0 <= res.metrics["uor_mean"] <= res.metrics["uor_max"] <= 4.0
+    ta, _ = greedy(llm, 236764, 12)
+    assert len(ta) == 12
