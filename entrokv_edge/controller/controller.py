@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..bindings import compact, geometry
+from ..bindings import compact, geometry, true_positions
 from ..bindings.observe import Observation, WindowScores
 from . import metrics as M
 from .config import EvictionConfig
-from .pages import pages_to_positions
+from .pages import page_scores, pages_to_positions
 from .policies import Selection, select
 from .weights import collision, head_weights, isolate_sinks, masquerade_ratio, sink_mass
 
@@ -60,25 +60,77 @@ class PageEntroKV:
             llm.eval(tokens[n - cfg.window:])
         return self.evict(llm, obs.last, needles=needles)
 
-    def evict(self, llm, scores: WindowScores, *, needles=None) -> EvictionResult:
-        """Select with the configured policy from ``scores`` (observed at the end of the
-        prompt) and compact ``llm``'s never-compacted cache of that prompt."""
+    def evict(self, llm, scores: WindowScores, *, needles=None, n_keep: int | None = None) -> EvictionResult:
+        """Select with the configured policy from ``scores`` and compact ``llm``'s cache.
+
+        The cache may have been evicted before and may hold tokens decoded after the
+        observation: scores are mapped from cells to true positions per (layer, KV head),
+        every group chooses among the pages it still holds, and positions that came
+        after the observed window (no score yet) get their head's mean score.
+        ``n_keep``: pages to keep instead of the budget's (the runtime's capacity limit)."""
         cfg = self.config
         g = geometry(llm)
         n = g.pos_max + 1
-        if g.n_compacted or g.n_used != n or scores.pos_last != g.pos_max:
-            raise ValueError("evict needs the never-compacted cache of the prompt whose end was observed")
-        s = scores.scores[:, :, :n].astype(np.float64)
-        L, H, _ = s.shape
+        if n <= 0 or scores.pos_last > g.pos_max:
+            raise ValueError("the scores do not belong to this cache (observed past its last position)")
+        L, H = scores.scores.shape[:2]
         G = g.layers[0].n_head_kv
         r = H // G
-        sel = select(s, r, cfg, n)
+        fresh = g.n_compacted == 0 and g.n_used == n and scores.pos_last == g.pos_max
+        if fresh:   # cells are positions: no mapping needed
+            s, available, tp_now = scores.scores[:, :, :n], None, None
+        else:
+            tp_now = true_positions(llm)
+            s, present = self._scores_by_position(scores, tp_now, n, L, H, r)
+            available = page_scores(present.astype(np.float32), cfg.page_size, "max") > 0
+        sel = select(s, r, cfg, n, available=available, n_keep=n_keep)
         positions = pages_to_positions(sel.pages, cfg.page_size, n)
         if cfg.policy != "full":
-            compact(llm, positions.reshape(L * G, -1))  # cells == positions before the first compaction
+            if fresh:
+                cells = positions.reshape(L * G, -1)
+            else:
+                cells = self._cells_of(tp_now, positions.reshape(L * G, -1), n)
+            compact(llm, cells)
         result = EvictionResult(sel, positions)
-        result.metrics = self._metrics(llm, s, r, sel, positions, n, needles)
+        result.metrics = self._metrics(llm, np.asarray(s, dtype=np.float64), r, sel, positions, n, needles)
         return result
+
+    @staticmethod
+    def _scores_by_position(scores: WindowScores, tp_now: np.ndarray, n: int, L: int, H: int, r: int):
+        """Scores [L, H, n] indexed by true position, and the pages [L, G, n_pages]
+        each group still holds."""
+        G = H // r
+        slot_of = np.arange(L)[:, None] * G + np.arange(H)[None, :] // r        # [L, H]
+        tp_obs = scores.true_pos[slot_of]                                         # [L, H, n_kv]
+        ok = (tp_obs >= 0) & (tp_obs < n)
+        li, hi, ci = np.nonzero(ok)
+        s = np.zeros((L, H, n), dtype=np.float64)
+        s[li, hi, tp_obs[li, hi, ci]] = scores.scores[li, hi, ci]
+        scored = np.zeros((L, H, n), dtype=bool)
+        scored[li, hi, tp_obs[li, hi, ci]] = True
+        present = np.zeros((L * G, n), dtype=bool)
+        si, ci = np.nonzero(tp_now >= 0)
+        present[si, tp_now[si, ci]] = True
+        present_lh = present.reshape(L, G, n)[:, np.arange(H) // r]              # [L, H, n]
+        unscored = present_lh & ~scored
+        if unscored.any():
+            known = present_lh & scored
+            mean = (s * known).sum(-1) / np.maximum(known.sum(-1), 1)
+            s = np.where(unscored, mean[..., None], s)
+        return np.where(present_lh, s, 0.0), present.reshape(L, G, n)
+
+    @staticmethod
+    def _cells_of(tp_now: np.ndarray, keep_pos: np.ndarray, n: int) -> np.ndarray:
+        """int32 [n_slots, K]: per slot, the (ascending) cells holding the kept positions."""
+        n_slots = tp_now.shape[0]
+        want = np.zeros((n_slots, n), dtype=bool)
+        want[np.arange(n_slots)[:, None], keep_pos] = True
+        tp = np.where(tp_now >= 0, tp_now, 0)
+        hit = (tp_now >= 0) & want[np.arange(n_slots)[:, None], tp]
+        counts = hit.sum(axis=1)
+        if (counts != keep_pos.shape[1]).any():
+            raise ValueError("a selected position is not in its group buffer any more")
+        return np.nonzero(hit)[1].reshape(n_slots, -1).astype(np.int32)
 
     def _metrics(self, llm, s, r, sel, positions, n, needles) -> dict:
         cfg = self.config

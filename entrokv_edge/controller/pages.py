@@ -17,9 +17,10 @@ def page_scores(S: np.ndarray, P: int, mode: str = "sum") -> np.ndarray:
     return x.sum(axis=-1) if mode == "sum" else x.max(axis=-1)
 
 
-def select_pages(pi: np.ndarray, N: int, protected) -> np.ndarray:
+def select_pages(pi: np.ndarray, N: int, protected, available: np.ndarray | None = None) -> np.ndarray:
     """int32 [..., N], ascending: the protected pages plus the highest-scoring others,
-    ties broken by lower page index. Every row keeps exactly N pages.
+    ties broken by lower page index. Every row keeps exactly N pages. ``available``
+    (bool, broadcastable to pi) limits each row to the pages it still holds.
 
     O(n_pages) per row: a partition finds the N-th largest key; pages above it are kept,
     and of the pages equal to it, the lowest-indexed fill the rest."""
@@ -31,6 +32,11 @@ def select_pages(pi: np.ndarray, N: int, protected) -> np.ndarray:
     if N == 0:
         return np.zeros((*pi.shape[:-1], 0), dtype=np.int32)
     key = np.where(prot, np.inf, np.asarray(pi, dtype=np.float64))
+    if available is not None:
+        avail = np.broadcast_to(available, key.shape)
+        if (avail.sum(axis=-1) < N).any():
+            raise ValueError(f"cannot keep {N} pages: some rows hold fewer")
+        key = np.where(avail, key, -np.inf)
     kth = -np.partition(-key, N - 1, axis=-1)[..., N - 1: N]        # the N-th largest key per row
     above = key > kth
     tie = key == kth

@@ -42,8 +42,12 @@ def _token_page_max(x: np.ndarray, P: int) -> np.ndarray:
     return page_scores(x, P, "max")
 
 
-def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None) -> Selection:
-    """Run ``cfg.policy`` on window scores s [L, H, n] of a GQA model with group ratio r."""
+def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
+           available: np.ndarray | None = None, n_keep: int | None = None) -> Selection:
+    """Run ``cfg.policy`` on window scores s [L, H, n] of a GQA model with group ratio r.
+
+    available [L, G, n_pages] (bool): pages each group buffer still holds (after an
+    earlier eviction); None: all. n_keep: pages to keep instead of the budget's N."""
     s = np.asarray(s)
     if s.dtype not in (np.float32, np.float64):
         s = s.astype(np.float64)
@@ -53,9 +57,10 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None) -> 
         raise ValueError(f"{H} query heads do not split into groups of {r}")
     G = H // r
     P, mode = cfg.page_size, cfg.page_score
-    N = cfg.budget_pages(n)
+    N = cfg.budget_pages(n) if n_keep is None else n_keep
     prot = cfg.protected(n)
     n_pages = cfg.n_pages(n)
+    avail_heads = None if available is None else np.repeat(available, r, axis=1)
     st = head_stats(s, cfg.sinks, P)
     k = min(cfg.sinks, n)
 
@@ -71,13 +76,15 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None) -> 
 
     def heads() -> np.ndarray:
         own = head_page_dist(st) if mode == "sum" else _token_page_max(token_dist(True), P)
-        return select_pages(own, N, prot)
+        return select_pages(own, N, prot, avail_heads)
 
     w, head_pages = None, None
     if cfg.policy == "full":
+        if available is not None and not available.all():
+            raise ValueError("the full policy cannot run on a cache that was already evicted")
         pages = np.broadcast_to(np.arange(n_pages, dtype=np.int32), (L, G, n_pages)).copy()
     elif cfg.policy == "streaming":
-        pages = select_pages(np.broadcast_to(np.arange(n_pages, dtype=np.float64), (L, G, n_pages)), N, prot)
+        pages = select_pages(np.broadcast_to(np.arange(n_pages, dtype=np.float64), (L, G, n_pages)), N, prot, available)
     elif cfg.policy in ("page-entrokv", "no-isolation", "mean-pool"):
         isolated = cfg.policy != "no-isolation"
         c = st.c_iso if isolated else st.c_all
@@ -86,13 +93,13 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None) -> 
             pi = np.einsum("lgrp,lgr->lgp", head_page_dist(st, isolated).reshape(L, G, r, n_pages), w.reshape(L, G, r))
         else:
             pi = _token_page_max(pool(token_dist(isolated), w, r), P)
-        pages = select_pages(pi, N, prot)
+        pages = select_pages(pi, N, prot, available)
     elif cfg.policy == "max-pool":
-        pages = select_pages(page_scores(s.reshape(L, G, r, n_s).max(axis=2), P, mode), N, prot)
+        pages = select_pages(page_scores(s.reshape(L, G, r, n_s).max(axis=2), P, mode), N, prot, available)
     elif cfg.policy == "head-independent":
         mean = np.einsum("lgrp->lgp", head_page_dist(st).reshape(L, G, r, n_pages)) / r
         head_pages = heads()
-        pages = union_padded(head_pages, mean)
+        pages = union_padded(head_pages, mean if available is None else np.where(available, mean, -np.inf))
     else:  # guarded by EvictionConfig
         raise ValueError(cfg.policy)
     return Selection(pages=pages, n_budget=N, weights=w, _heads=heads, _head_pages=head_pages)
