@@ -8,7 +8,9 @@ from .native import (
     evict_native,
     geometry,
     n_refused,
+    restore,
     select_pages_native,
+    set_last_logits,
     true_positions,
 )
 
@@ -21,6 +23,8 @@ __all__ = [
     "evict_native",
     "geometry",
     "n_refused",
+    "restore",
     "select_pages_native",
+    "set_last_logits",
     "true_positions",
 ]

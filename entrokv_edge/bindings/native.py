@@ -203,6 +203,24 @@ def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0,
                                      ffi.from_buffer("int32_t[]", flat), flags))
 
 
+def restore(llm, true_pos: np.ndarray) -> None:
+    """After loading a saved state of a compacted cache: re-attach its true-position table,
+    int32 [n_slots, n_keep] (what ``true_positions(llm)[:, :n_keep]`` was at save time)."""
+    ffi, lib = _api()
+    tp = np.ascontiguousarray(true_pos, dtype=np.int32)
+    if tp.ndim != 2:
+        raise ValueError("true_pos must be [n_slots, n_keep]")
+    _check(lib.llama_entrokv_restore(context_pointer(llm), tp.shape[1], ffi.from_buffer("int32_t[]", tp), tp.size))
+
+
+def set_last_logits(llm, logits: np.ndarray) -> None:
+    """After loading a saved state: make ``logits`` (float32 [n_vocab]) the context's
+    logits of its last token, so that sampling goes on as before the save."""
+    ffi, lib = _api()
+    lg = np.ascontiguousarray(logits, dtype=np.float32)
+    _check(lib.llama_entrokv_set_last_logits(context_pointer(llm), ffi.from_buffer("float[]", lg), lg.size))
+
+
 def n_refused(llm) -> int:
     """Operations refused (since the context was created) because they would have
     corrupted compacted cells (range seq_rm, seq_add, seq_div)."""

@@ -192,6 +192,24 @@ LLAMA_API int32_t llama_entrokv_evict(
         llama_seq_id seq_id,
         const struct llama_entrokv_params * params);
 
+// After llama_state_set_data / llama_state_seq_set_data of a compacted cache (which
+// resets the table): tell the cache that cells 0..n_keep-1 are compacted cells whose true
+// positions are true_pos[s * n_keep + j] (as llama_entrokv_true_pos gave them before the
+// save). The cells must hold one sequence at consecutive positions from cell 0 on.
+LLAMA_API int32_t llama_entrokv_restore(
+        struct llama_context * ctx,
+        int32_t n_keep,
+        const int32_t * true_pos,
+        size_t n_true_pos);
+
+// After a state load: make `logits` (n_vocab floats, saved with the state) the context's
+// logits of its last token, as llama_state_set_data does not bring them back, so that
+// sampling can go on without re-evaluating a token (which a compacted cell forbids).
+LLAMA_API int32_t llama_entrokv_set_last_logits(
+        struct llama_context * ctx,
+        const float * logits,
+        int32_t n_vocab);
+
 // Operations refused since the last clear because they would have corrupted
 // a compacted cache (range seq_rm / seq_add / seq_div over compacted cells).
 LLAMA_API int32_t llama_entrokv_n_refused(struct llama_context * ctx);

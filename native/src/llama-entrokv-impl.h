@@ -65,6 +65,8 @@ struct llama_entrokv_access {
     static int32_t compact  (llama_context * ctx, llama_seq_id seq_id, int32_t n_slots,
                              const int32_t * lens, const int32_t * cells, uint32_t flags);
     static int32_t n_refused(llama_context * ctx);
+    static int32_t restore  (llama_context * ctx, int32_t n_keep, const int32_t * true_pos, size_t n);
+    static int32_t set_last_logits(llama_context * ctx, const float * logits, int32_t n_vocab);
 
     // observation (llama-entrokv-observe.cpp)
     static void    after_ubatch   (llama_context & lctx, const llm_graph_result * res, const struct llama_ubatch & ubatch);

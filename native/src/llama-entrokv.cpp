@@ -9,6 +9,8 @@
 #include "llama-impl.h"
 #include "llama-kv-cache-iswa.h"
 #include "llama-kv-cache.h"
+#include "llama-model.h"
+#include "llama-vocab.h"
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -92,7 +94,7 @@ bool llama_entrokv_access::allow_seq_rm(llama_kv_cache & kv, llama_seq_id seq_id
         return true;
     }
     st->n_refused++;
-    LLAMA_LOG_WARN("%s: entrokv: refusing seq_rm(seq %d, [%d, %d)): it would remove some of the compacted "
+    LLAMA_LOG_INFO("%s: entrokv: refusing seq_rm(seq %d, [%d, %d)): it would remove some of the compacted "
             "cells (positions %d..%d), whose tokens differ per KV head; remove the whole sequence instead\n",
             __func__, seq_id, p0, p1, st->pos_lo, st->pos_hi);
     return false;
@@ -721,6 +723,70 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
     return llama_entrokv_ok();
 }
 
+int32_t llama_entrokv_access::restore(llama_context * ctx, int32_t n_keep, const int32_t * tpos, size_t n) {
+    entrokv_target t;
+    if (int32_t rc = resolve(ctx, t)) {
+        return rc;
+    }
+    llama_kv_cache & kv = *t.kv;
+    const auto & cells = kv.v_cells[0];
+    const int32_t ns = n_slots(kv);
+    if (n_keep < 1 || (uint32_t) n_keep > cells.size() || tpos == nullptr || n != (size_t) ns * n_keep) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "restore needs n_keep in 1..%u and n_slots * n_keep = %d * %d true positions",
+                cells.size(), ns, n_keep);
+    }
+    if (cells.is_empty(0)) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_EMPTY_SEQ, "cell 0 is empty: nothing to restore");
+    }
+    const llama_pos p_lo = cells.pos_get(0);
+    for (int32_t j = 0; j < n_keep; ++j) {
+        if (cells.is_empty(j) || cells.pos_get(j) != p_lo + j || cells.seq_count(j) != 1) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_NOT_IN_SEQ,
+                    "cell %d does not hold position %d of a single sequence: not the saved compacted layout", j, p_lo + j);
+        }
+    }
+    for (int32_t s = 0; s < ns; ++s) {
+        for (int32_t j = 0; j < n_keep; ++j) {
+            const int32_t v = tpos[(size_t) s * n_keep + j];
+            if (v < 0 || v > p_lo + j || (j > 0 && v <= tpos[(size_t) s * n_keep + j - 1])) {
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_ORDER,
+                        "slot %d: true positions must ascend and not exceed the synthetic ones (%d at cell %d)", s, v, j);
+            }
+        }
+    }
+    if (!kv.entrokv) {
+        kv.entrokv = std::make_shared<llama_entrokv_state>();
+    }
+    auto & st = *kv.entrokv;
+    st.n_keep   = (uint32_t) n_keep;
+    st.pos_lo   = p_lo;
+    st.pos_hi   = p_lo + n_keep - 1;
+    st.n_slots  = ns;
+    st.true_pos.assign(tpos, tpos + (size_t) ns * n_keep);
+    st.n_compactions = std::max(st.n_compactions, 1);
+    return llama_entrokv_ok();
+}
+
+int32_t llama_entrokv_access::set_last_logits(llama_context * ctx, const float * logits, int32_t n_vocab) {
+    if (ctx == nullptr || logits == nullptr) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "ctx or logits is NULL");
+    }
+    const int32_t expected = ctx->get_model().vocab.n_tokens();
+    if (n_vocab != expected) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "got %d logits, the model's vocabulary has %d", n_vocab, expected);
+    }
+    if (ctx->output_reserve(1) < 1 || ctx->logits.data == nullptr) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "cannot reserve the output buffer");
+    }
+    memcpy(ctx->logits.data, logits, (size_t) n_vocab * sizeof(float));
+    std::fill(ctx->output_ids.begin(), ctx->output_ids.end(), -1);
+    if (!ctx->output_ids.empty()) {
+        ctx->output_ids[0] = 0;
+    }
+    ctx->n_outputs = 1;
+    return llama_entrokv_ok();
+}
+
 int32_t llama_entrokv_access::n_refused(llama_context * ctx) {
     entrokv_target t;
     if (int32_t rc = resolve(ctx, t)) {
@@ -773,6 +839,14 @@ int32_t llama_entrokv_compact(llama_context * ctx, llama_seq_id seq_id, int32_t 
 
 int32_t llama_entrokv_n_refused(llama_context * ctx) {
     return llama_entrokv_access::n_refused(ctx);
+}
+
+int32_t llama_entrokv_restore(llama_context * ctx, int32_t n_keep, const int32_t * true_pos, size_t n) {
+    return llama_entrokv_access::restore(ctx, n_keep, true_pos, n);
+}
+
+int32_t llama_entrokv_set_last_logits(llama_context * ctx, const float * logits, int32_t n_vocab) {
+    return llama_entrokv_access::set_last_logits(ctx, logits, n_vocab);
 }
 
 } // extern "C"

@@ -1,0 +1,230 @@
+"""EntroKVLlama: a llama_cpp.Llama whose KV cache never overflows.
+
+``n_ctx`` is the physical cache (the memory granted). Prompts longer than it are
+evaluated in pieces, each piece's last ``window`` tokens observed, with an eviction
+between pieces; after the prompt the cache is evicted down to the budget; during
+generation it is evicted again whenever it fills. Positions continue across turns, so a
+chat appends to the compressed cache; llama-cpp-python's prefix reuse cannot cut into
+compacted cells (the native code refuses it), and an edited history is re-evaluated.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..bindings import EntroKVError, geometry, restore, set_last_logits, true_positions
+from ..bindings.observe import Observation, WindowScores
+from ..controller import EvictionConfig, EvictionResult, PageEntroKV
+from .._loader import ensure_llama_cpp
+
+llama_cpp = ensure_llama_cpp()
+
+_SETTINGS = ("budget", "page_size", "window", "sinks", "recent", "tau", "policy", "page_score")
+
+
+class EntroKVLlama(llama_cpp.Llama):
+    """Drop-in ``llama_cpp.Llama`` with Page-EntroKV eviction.
+
+    Extra keyword arguments: the EvictionConfig settings (``budget``, ``page_size``,
+    ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``) or
+    ``eviction=EvictionConfig(...)``; ``logical_ctx`` (the longest conversation accepted,
+    default: the model's training context); ``progress`` (a callable(done, total) called
+    during long prefills).
+    """
+
+    def __init__(self, model_path: str, *, eviction: EvictionConfig | None = None, logical_ctx: int | None = None,
+                 progress: Callable[[int, int], None] | None = None, **kwargs):
+        settings = {k: kwargs.pop(k) for k in _SETTINGS if k in kwargs}
+        if eviction is not None and settings:
+            raise TypeError("give either eviction=EvictionConfig(...) or its settings, not both")
+        if kwargs.get("logits_all"):
+            raise ValueError("EntroKVLlama does not support logits_all (per-token logits of a logical "
+                             "sequence longer than the cache)")
+        cfg = eviction if eviction is not None else EvictionConfig(**settings)
+        super().__init__(model_path, **kwargs)
+        self.controller = PageEntroKV(cfg)
+        g = geometry(self)          # raises EntroKVError for models the method cannot act on
+        self.kv_cells = g.kv_size
+        if cfg.window > self.n_batch or cfg.window > self.context_params.n_ubatch:
+            raise ValueError(f"window {cfg.window} must fit one batch (n_batch {self.n_batch}, "
+                             f"n_ubatch {self.context_params.n_ubatch})")
+        self.reserve = max(cfg.window + cfg.page_size, self.kv_cells // 4)
+        min_keep = (-(-cfg.sinks // cfg.page_size) + -(-cfg.rho // cfg.page_size) + 1) * cfg.page_size
+        if self.kv_cells - self.reserve < min_keep:
+            raise ValueError(f"a cache of {self.kv_cells} cells is too small for these settings: it must hold "
+                             f"the protected pages ({min_keep} tokens) plus room for new tokens ({self.reserve})")
+        self._n_ctx = int(logical_ctx or llama_cpp.llama_model_n_ctx_train(self.model))
+        self.progress = progress
+        self._window_scores: WindowScores | None = None
+        self.last_eviction: EvictionResult | None = None
+        self.n_evictions = 0
+
+    # --- the cache ------------------------------------------------------------------
+
+    @property
+    def config(self) -> EvictionConfig:
+        return self.controller.config
+
+    def _used(self) -> int:
+        return geometry(self).n_used
+
+    def _capacity_pages(self) -> int:
+        """Pages an eviction may keep so that new tokens still find room."""
+        return (self.kv_cells - self.reserve) // self.config.page_size
+
+    def _budget_pages(self, n: int) -> int:
+        try:
+            N = self.config.budget_pages(n)
+        except ValueError:
+            N = len(self.config.protected(n))
+        return min(N, self._capacity_pages())
+
+    def evict(self, n_keep: int | None = None) -> EvictionResult:
+        """Evict now, with the freshest window scores, down to ``n_keep`` pages
+        (default: the budget for the logical length, within the cache's capacity)."""
+        n = self.n_tokens
+        if n == 0:
+            raise ValueError("nothing to evict: the context is empty")
+        scores = self._window_scores or self._recency_scores()
+        N = self._budget_pages(n) if n_keep is None else n_keep
+        if self.config.policy == "full":
+            raise ValueError("the full policy never evicts: the cache is too small for this conversation")
+        res = self.controller.evict(self, scores, n_keep=N)
+        if res.metrics["kept_tokens"] > self.kv_cells - self.config.window:
+            raise EntroKVError(-5, f"policy {self.config.policy} kept {res.metrics['kept_tokens']} tokens, "
+                                   f"more than the cache ({self.kv_cells} cells) can hold with room to go on")
+        self.last_eviction = res
+        self.n_evictions += 1
+        return res
+
+    def _recency_scores(self) -> WindowScores:
+        """Scores that favour recent tokens, for an eviction before any observation."""
+        g = geometry(self)
+        tp = true_positions(self)
+        H = llama_cpp.llama_model_n_head(self.model)
+        L, G = g.n_layers, g.layers[0].n_head_kv
+        slot_of = np.arange(L)[:, None] * G + np.arange(H)[None, :] // (H // G)
+        s = np.where(tp[slot_of] >= 0, tp[slot_of] + 1.0, 0.0).astype(np.float32)
+        s /= s.sum(-1, keepdims=True)
+        return WindowScores(s, tp, np.array([l.il for l in g.layers], np.int32), 0, 0, g.pos_max)
+
+    # --- evaluation -------------------------------------------------------------------
+
+    def _ensure_ids(self, n: int) -> None:
+        if n > len(self.input_ids):
+            grown = np.zeros(max(n, 2 * len(self.input_ids)), dtype=self.input_ids.dtype)
+            grown[: len(self.input_ids)] = self.input_ids
+            self.input_ids = grown
+
+    def _eval_piece(self, piece: list[int]) -> None:
+        w = self.config.window
+        if len(piece) < w:
+            super().eval(piece)
+            return
+        if len(piece) > w:
+            super().eval(piece[:-w])
+        with Observation(self, w) as obs:
+            super().eval(piece[-w:])
+        self._window_scores = obs.last
+
+    def eval(self, tokens) -> None:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return
+        if self.n_tokens == 0:
+            self._window_scores = None
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        self._ensure_ids(self.n_tokens + len(tokens))
+        w, total, done = self.config.window, len(tokens), 0
+        while done < total:
+            rest = total - done
+            free = self.kv_cells - self._used()
+            if free < min(rest, w) or free <= 0:
+                self.evict()
+                free = self.kv_cells - self._used()
+            piece = min(rest, free)
+            if piece < rest and rest - piece < w <= rest:
+                piece = rest - w               # leave the last window whole for the final piece
+            if piece < rest and piece > self.n_batch:
+                piece -= piece % self.n_batch  # whole batches, as llama-cpp-python decodes them
+            self._eval_piece(tokens[done: done + piece])
+            done += piece
+            if self.progress is not None and total > 1:
+                self.progress(done, total)
+        if total >= w and self._used() > self._budget_pages(self.n_tokens) * self.config.page_size + self.config.page_size:
+            self.evict()                        # after a prompt: down to the budget
+
+    def reset(self) -> None:
+        super().reset()
+        self._window_scores = None
+
+    # --- reports and sessions -----------------------------------------------------------
+
+    def kv_report(self) -> dict:
+        """KV memory of a full cache for the logical length vs what the cache holds now, per layer."""
+        g = geometry(self)
+        layers = [{"il": l.il, "bytes_full": self.n_tokens * (l.k_bytes_per_cell + l.v_bytes_per_cell),
+                   "bytes_held": g.n_used * (l.k_bytes_per_cell + l.v_bytes_per_cell)} for l in g.layers]
+        return {"logical_tokens": self.n_tokens, "kept_tokens": g.n_used, "kv_cells": g.kv_size,
+                "kv_bytes_full": sum(x["bytes_full"] for x in layers),
+                "kv_bytes_kept": sum(x["bytes_held"] for x in layers),
+                "kv_bytes_allocated": g.kv_size * g.bytes_per_cell, "evictions": self.n_evictions,
+                "layers": layers}
+
+    def save_session(self, path: str | Path) -> None:
+        """Save llama.cpp's state, our true-position table and the settings to ``path``."""
+        size = llama_cpp.llama_state_get_size(self.ctx)
+        buf = (llama_cpp.ctypes.c_uint8 * size)()
+        n_bytes = llama_cpp.llama_state_get_data(self.ctx, buf, size)
+        g = geometry(self)
+        meta = {"format": "entrokv-session-1", "config": {k: getattr(self.config, k) for k in _SETTINGS},
+                "n_compacted": g.n_compacted, "kv_cells": self.kv_cells, "n_tokens": self.n_tokens}
+        tp = true_positions(self)[:, : g.n_compacted] if g.n_compacted else np.zeros((g.n_slots, 0), np.int32)
+        ws = self._window_scores
+        last = llama_cpp.llama_get_logits_ith(self.ctx, -1) if self.n_tokens else None
+        if last:
+            arrays_logits = np.ctypeslib.as_array(last, shape=(self.n_vocab(),)).copy()
+        else:
+            arrays_logits = np.zeros(0, np.float32)
+        arrays = {"llama_state": np.frombuffer(bytes(buf[:n_bytes]), dtype=np.uint8), "logits": arrays_logits,
+                  "input_ids": np.asarray(self.input_ids[: self.n_tokens], dtype=np.int32), "true_pos": tp,
+                  "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
+        if ws is not None:
+            arrays.update(ws_scores=ws.scores, ws_true_pos=ws.true_pos, ws_layers=ws.layer_ids,
+                          ws_info=np.array([ws.window, ws.n_tokens, ws.pos_last], np.int64))
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+
+    def load_session(self, path: str | Path) -> None:
+        """Restore a session saved by ``save_session`` (same model and cache size)."""
+        try:
+            z = np.load(path, allow_pickle=False)
+            meta = json.loads(bytes(z["meta"]).decode())
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+            raise ValueError(f"{path}: not an EntroKV Edge session file ({e})") from e
+        if meta.get("format") != "entrokv-session-1":
+            raise ValueError(f"{path}: unknown session format {meta.get('format')!r}")
+        if meta["kv_cells"] != self.kv_cells:
+            raise ValueError(f"{path} was saved with a {meta['kv_cells']}-cell cache, this one has {self.kv_cells}")
+        n = int(meta["n_tokens"])
+        raw = z["llama_state"]
+        buf = (llama_cpp.ctypes.c_uint8 * raw.size).from_buffer_copy(raw.tobytes())
+        if llama_cpp.llama_state_set_data(self.ctx, buf, raw.size) != raw.size:
+            raise ValueError(f"{path}: llama.cpp refused the saved state (another model?)")
+        self._ensure_ids(n)
+        self.input_ids[:n] = z["input_ids"][:n]
+        self.n_tokens = n
+        if z["logits"].size:
+            set_last_logits(self, z["logits"])
+        self._requires_eval = z["logits"].size == 0
+        self.controller = PageEntroKV(EvictionConfig(**meta["config"]))
+        if meta["n_compacted"]:
+            restore(self, z["true_pos"])
+        self._window_scores = None
+        if "ws_scores" in z:
+            info = z["ws_info"]
+            self._window_scores = WindowScores(z["ws_scores"], z["ws_true_pos"], z["ws_layers"],
+                                               int(info[0]), int(info[1]), int(info[2]))

@@ -1,0 +1,114 @@
+"""EntroKVLlama: long prompts through a small cache, generation that never runs out of
+cache, chats that append, edited histories, saved sessions and the memory report."""
+import numpy as np
+import pytest
+
+import entrokv_edge as ek
+from helpers import logits
+
+SETTINGS = dict(budget=64, page_size=8, window=16, verbose=False, seed=0, n_threads=2, n_threads_batch=2)
+
+
+@pytest.fixture
+def model(synth_models):
+    return str(synth_models["llama-r3"])
+
+
+def prompt(n, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 300, n)]
+
+
+def test_a_prompt_four_times_the_cache_runs_and_generation_never_overflows(model):
+    llm = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+    toks = prompt(1000)
+    llm.eval(toks)
+    rep = llm.kv_report()
+    assert llm.n_tokens == 1000 and rep["logical_tokens"] == 1000 and llm.n_evictions >= 4
+    assert rep["kept_tokens"] == 64 == ek.geometry(llm).n_used                 # the budget, exactly
+    assert rep["kv_bytes_kept"] * 1000 == rep["kv_bytes_full"] * 64
+    tp = ek.true_positions(llm)[:, :64]
+    assert (tp[:, :4] == np.arange(4)).all() and (tp[:, -8:] == np.arange(992, 1000)).all()   # sinks, recent
+    for _ in range(400):                                                        # far past the cache size
+        llm.eval([int(np.argmax(logits(llm)))])
+    assert llm.n_tokens == 1400 and ek.geometry(llm).n_used <= 256
+    assert ek.geometry(llm).pos_max == 1399
+
+
+def test_streaming_equals_non_streaming_with_greedy_sampling(smollm2):
+    # a real tokenizer: random byte tokens of the synthetic vocabulary decode differently in
+    # pieces (partial UTF-8), which says nothing about the cache
+    a = ek.EntroKVLlama(str(smollm2), n_ctx=256, **SETTINGS)
+    b = ek.EntroKVLlama(str(smollm2), n_ctx=256, **SETTINGS)
+    text = " ".join(f"Item {i} of the inventory is a {w}." for i, w in enumerate(["lamp", "rope", "map"] * 40))
+    toks = a.tokenize(text.encode())
+    full = a.create_completion(toks, max_tokens=150, temperature=0.0)["choices"][0]["text"]
+    streamed = "".join(c["choices"][0]["text"] for c in b.create_completion(toks, max_tokens=150, temperature=0.0,
+                                                                              stream=True))
+    assert full == streamed and len(full) > 0
+    assert a.n_evictions == b.n_evictions >= 2
+
+
+def test_chat_turns_append_and_an_edited_history_is_re_evaluated(model):
+    llm = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+    seen = []
+    original_eval = ek.EntroKVLlama.eval
+
+    def spy(self, tokens):
+        seen.append(len(list(tokens)))
+        return original_eval(self, tokens)
+
+    llm.eval = spy.__get__(llm)
+    turn1 = prompt(400, 2)
+    gen = llm.generate(turn1, top_k=1, temp=0.0)
+    reply = [next(gen) for _ in range(10)]
+    gen.close()
+    n_after_turn1 = llm.n_tokens
+    seen.clear()
+    turn2 = turn1 + reply[:-1] + prompt(30, 3)      # the history as evaluated, then a new message
+    gen = llm.generate(turn2, top_k=1, temp=0.0)
+    next(gen)
+    gen.close()
+    assert seen[0] == len(turn2) - n_after_turn1      # only the new tokens: no re-prefill
+    assert llm.n_tokens == len(turn2)
+    seen.clear()
+    edited = [5] + turn2[1:]                          # the user changed the first message
+    gen = llm.generate(edited, top_k=1, temp=0.0)
+    next(gen)
+    gen.close()
+    assert seen[0] == len(edited)                     # re-evaluated from scratch
+    fresh = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+    fresh.eval(edited)
+    assert np.array_equal(logits(fresh), logits(llm))  # the same as a fresh context on the edited prompt
+
+
+def test_saved_sessions_restore_the_same_logits_and_tables(model, tmp_path):
+    a = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+    a.eval(prompt(700, 4))
+    for _ in range(5):
+        a.eval([int(np.argmax(logits(a)))])
+    path = tmp_path / "chat.entrokv"
+    a.save_session(path)
+    b = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+    b.load_session(path)
+    assert b.n_tokens == a.n_tokens and np.array_equal(logits(a), logits(b))
+    assert np.array_equal(ek.true_positions(a), ek.true_positions(b))
+    for _ in range(150):                               # both go on identically, evicting on the way
+        ta, tb = int(np.argmax(logits(a))), int(np.argmax(logits(b)))
+        assert ta == tb
+        a.eval([ta]), b.eval([tb])
+    assert np.array_equal(logits(a), logits(b)) and a.n_evictions > 0
+    with pytest.raises(ValueError, match="not an EntroKV Edge session"):
+        (tmp_path / "junk").write_bytes(b"hello")
+        b.load_session(tmp_path / "junk")
+    c = ek.EntroKVLlama(model, n_ctx=512, **SETTINGS)
+    with pytest.raises(ValueError, match="256-cell cache"):
+        c.load_session(path)
+
+
+def test_settings_are_checked(model):
+    with pytest.raises(ValueError, match="too small"):
+        ek.EntroKVLlama(model, n_ctx=256, **{**SETTINGS, "budget": 192, "page_size": 64, "window": 64})
+    with pytest.raises(ValueError, match="logits_all"):
+        ek.EntroKVLlama(model, n_ctx=256, logits_all=True, **SETTINGS)
+    with pytest.raises(TypeError):
+        ek.EntroKVLlama(model, n_ctx=256, eviction=ek.EvictionConfig(), **SETTINGS)
