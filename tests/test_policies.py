@@ -49,13 +49,14 @@ def test_budget_is_exact_for_every_page_size(P, n, sinks, extra, frac, policy, s
     cfg = EvictionConfig(budget=budget, **cfg_args)
     s = np.random.default_rng(seed).random((2, 6, n))
     need = len(cfg.protected(n))
-    if policy != "full" and min(budget // P, cfg.n_pages(n)) < need:
+    N_exp = cfg.n_pages(n) if (policy == "full" or budget >= n) else min(budget // P, cfg.n_pages(n))
+    if policy != "full" and N_exp < need:
         with pytest.raises(ValueError, match="protected pages"):
             select(s, 3, cfg)
         return
     sel = select(s, 3, cfg)
     pos = pages_to_positions(sel.pages, P, n)
-    N = cfg.n_pages(n) if policy == "full" else min(budget // P, cfg.n_pages(n))
+    N = N_exp
     assert sel.n_budget == N
     if policy != "head-independent":
         assert sel.pages.shape == (2, 2, N)             # exactly N pages in every (layer, group)

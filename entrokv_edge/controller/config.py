@@ -81,7 +81,8 @@ class EvictionConfig:
         if self.window > n:
             raise ValueError(f"window w={self.window} is longer than the prompt ({n} tokens)")
         tokens = int(self.budget * n) if isinstance(self.budget, float) else int(self.budget)
-        N = min(tokens // self.page_size, self.n_pages(n))
+        # a budget that covers the prompt keeps all of it, the partial last page included
+        N = self.n_pages(n) if tokens >= n else min(tokens // self.page_size, self.n_pages(n))
         need = len(self.protected(n))
         if self.policy != "full" and N < need:
             raise ValueError(

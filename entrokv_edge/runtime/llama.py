@@ -119,16 +119,19 @@ class EntroKVLlama(llama_cpp.Llama):
             grown[: len(self.input_ids)] = self.input_ids
             self.input_ids = grown
 
-    def _eval_piece(self, piece: list[int]) -> None:
+    def _eval_piece(self, piece: list[int], done: int, total: int) -> None:
         w = self.config.window
-        if len(piece) < w:
-            super().eval(piece)
-            return
-        if len(piece) > w:
-            super().eval(piece[:-w])
-        with Observation(self, w) as obs:
-            super().eval(piece[-w:])
-        self._window_scores = obs.last
+        head = piece if len(piece) < w else piece[:-w]
+        for i in range(0, len(head), self.n_batch):   # batch by batch, for the progress report
+            super().eval(head[i: i + self.n_batch])
+            if self.progress is not None and total > 1:
+                self.progress(done + min(i + self.n_batch, len(head)), total)
+        if len(piece) >= w:
+            with Observation(self, w) as obs:
+                super().eval(piece[-w:])
+            self._window_scores = obs.last
+            if self.progress is not None and total > 1:
+                self.progress(done + len(piece), total)
 
     def eval(self, tokens) -> None:
         tokens = [int(t) for t in tokens]
@@ -150,10 +153,8 @@ class EntroKVLlama(llama_cpp.Llama):
                 piece = rest - w               # leave the last window whole for the final piece
             if piece < rest and piece > self.n_batch:
                 piece -= piece % self.n_batch  # whole batches, as llama-cpp-python decodes them
-            self._eval_piece(tokens[done: done + piece])
+            self._eval_piece(tokens[done: done + piece], done, total)
             done += piece
-            if self.progress is not None and total > 1:
-                self.progress(done, total)
         if total >= w and self._used() > self._budget_pages(self.n_tokens) * self.config.page_size + self.config.page_size:
             self.evict()                        # after a prompt: down to the budget
 
@@ -174,14 +175,16 @@ class EntroKVLlama(llama_cpp.Llama):
                 "kv_bytes_allocated": g.kv_size * g.bytes_per_cell, "evictions": self.n_evictions,
                 "layers": layers}
 
-    def save_session(self, path: str | Path) -> None:
-        """Save llama.cpp's state, our true-position table and the settings to ``path``."""
+    def save_session(self, path: str | Path, extra: dict | None = None) -> None:
+        """Save llama.cpp's state, our true-position table, the last logits, the freshest
+        window scores and the settings to ``path`` (plus ``extra``, JSON-serializable)."""
         size = llama_cpp.llama_state_get_size(self.ctx)
         buf = (llama_cpp.ctypes.c_uint8 * size)()
         n_bytes = llama_cpp.llama_state_get_data(self.ctx, buf, size)
         g = geometry(self)
         meta = {"format": "entrokv-session-1", "config": {k: getattr(self.config, k) for k in _SETTINGS},
-                "n_compacted": g.n_compacted, "kv_cells": self.kv_cells, "n_tokens": self.n_tokens}
+                "n_compacted": g.n_compacted, "kv_cells": self.kv_cells, "n_tokens": self.n_tokens,
+                "extra": extra or {}}
         tp = true_positions(self)[:, : g.n_compacted] if g.n_compacted else np.zeros((g.n_slots, 0), np.int32)
         ws = self._window_scores
         last = llama_cpp.llama_get_logits_ith(self.ctx, -1) if self.n_tokens else None
@@ -198,8 +201,9 @@ class EntroKVLlama(llama_cpp.Llama):
         with open(path, "wb") as f:
             np.savez(f, **arrays)
 
-    def load_session(self, path: str | Path) -> None:
-        """Restore a session saved by ``save_session`` (same model and cache size)."""
+    def load_session(self, path: str | Path) -> dict:
+        """Restore a session saved by ``save_session`` (same model and cache size);
+        returns the ``extra`` it was saved with."""
         try:
             z = np.load(path, allow_pickle=False)
             meta = json.loads(bytes(z["meta"]).decode())
@@ -228,3 +232,4 @@ class EntroKVLlama(llama_cpp.Llama):
             info = z["ws_info"]
             self._window_scores = WindowScores(z["ws_scores"], z["ws_true_pos"], z["ws_layers"],
                                                int(info[0]), int(info[1]), int(info[2]))
+        return meta.get("extra", {})

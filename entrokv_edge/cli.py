@@ -1,0 +1,380 @@
+"""The ``entrokv-edge`` command: run a prompt, chat, or inspect a model's heads, on a
+bounded KV cache with Page-EntroKV eviction.
+
+    entrokv-edge run -m smollm2-135m -f essay.txt -p "Who wrote it?" --kv-cells 1024 --budget 0.2
+    entrokv-edge chat -m model.gguf --kv-cells 2048
+    entrokv-edge inspect -m smollm2-135m -f essay.txt --png heads.png
+
+Bad input gets one line on stderr and exit status 2; nothing prints a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+from pathlib import Path
+
+from .controller import POLICIES, EvictionConfig
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _budget(text: str):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must be a fraction (0.2) or a token count (512), got {text!r}")
+    return v if ("." in text or "e" in text.lower()) else int(v)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="entrokv-edge", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-m", "--model", required=True, help="a .gguf file, or a registered name (entrokv-models list)")
+    common.add_argument("--kv-cells", type=int, help="physical KV cache, in cells (default: the prompt fits)")
+    common.add_argument("--budget", type=_budget, default=0.2, help="tokens kept per KV head: a fraction of the prompt or a count")
+    common.add_argument("--page-size", type=int, default=16)
+    common.add_argument("--window", type=int, default=32, help="observation window (last w prompt tokens)")
+    common.add_argument("--sinks", type=int, default=4)
+    common.add_argument("--recent", type=int, help="recent tokens always kept (default: the window)")
+    common.add_argument("--tau", type=float, default=1.0)
+    common.add_argument("--policy", choices=POLICIES, default="page-entrokv")
+    common.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    common.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
+    for name, help_ in (("run", "answer one prompt"), ("chat", "interactive chat"), ("inspect", "per-head statistics")):
+        p = sub.add_parser(name, parents=[common], help=help_)
+        if name != "chat":
+            p.add_argument("-f", "--file", help="a text file to put before the prompt")
+            p.add_argument("-p", "--prompt", default="", help="the prompt (after the file)")
+            p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+        if name != "inspect":
+            p.add_argument("--max-tokens", type=int, default=256)
+            p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+            p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+        if name == "inspect":
+            p.add_argument("--png", help="also write the figures to this PNG (needs matplotlib)")
+    return ap
+
+
+def _read_text(path: str) -> str:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise CLIError(f"cannot read {path}: {e.strerror or e}")
+    if b"\0" in data:
+        raise CLIError(f"{path} is not a text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CLIError(f"{path} is not a UTF-8 text file")
+
+
+def _prompt_text(args) -> str:
+    parts = []
+    if getattr(args, "file", None):
+        parts.append(_read_text(args.file))
+    if args.prompt:
+        parts.append(args.prompt)
+    text = "\n\n".join(p for p in parts if p.strip())
+    if not text.strip():
+        raise CLIError("the prompt is empty (give -p TEXT and/or -f FILE)")
+    return text
+
+
+def _model_file(name: str) -> Path:
+    from .models import ModelError, model_path
+    try:
+        path = model_path(name)
+    except ModelError as e:
+        raise CLIError(str(e))
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CLIError(f"cannot read {path}: {e.strerror or e}")
+    if magic != b"GGUF":
+        raise CLIError(f"{path} is not a GGUF model file")
+    return path
+
+
+_LOG_CB = None
+
+
+def _quiet_llama() -> None:
+    """Silence llama.cpp's own logging (the default without --verbose)."""
+    global _LOG_CB
+    import llama_cpp
+    _LOG_CB = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+    llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
+def _settings(args) -> dict:
+    try:
+        cfg = EvictionConfig(budget=args.budget, page_size=args.page_size, window=args.window, sinks=args.sinks,
+                             recent=args.recent, tau=args.tau, policy=args.policy)
+    except ValueError as e:
+        raise CLIError(str(e).replace("EvictionConfig: ", ""))
+    return {"eviction": cfg}
+
+
+def _load(args, n_prompt: int | None):
+    """An EntroKVLlama for args; n_prompt (tokens) sizes the default cache and checks the budget."""
+    from . import EntroKVError, EntroKVLlama
+    path = _model_file(args.model)
+    settings = _settings(args)
+    cfg = settings["eviction"]
+    max_new = getattr(args, "max_tokens", 0) or 0
+    cells = args.kv_cells
+    if cells is None:
+        # the prompt and the answer fit beside the quarter the runtime keeps free for new tokens
+        need = ((n_prompt or 2048) + max_new + 64) * 4 // 3
+        cells = max(256, -(-need // 256) * 256)
+    if cells < 1:
+        raise CLIError("--kv-cells must be >= 1")
+    if n_prompt is not None:
+        try:
+            cfg.budget_pages(n_prompt)
+        except ValueError as e:
+            raise CLIError(str(e))
+        tokens = int(cfg.budget * n_prompt) if isinstance(cfg.budget, float) else cfg.budget
+        reserve = max(cfg.window + cfg.page_size, cells // 4)
+        if cfg.policy != "full" and tokens > cells - reserve:
+            raise CLIError(f"budget of {tokens} tokens is above what a {cells}-cell cache can keep "
+                           f"({cells - reserve}, leaving room for new tokens); lower --budget or raise --kv-cells")
+    kwargs = dict(n_ctx=cells, n_batch=512, verbose=args.verbose)
+    if args.threads:
+        kwargs.update(n_threads=args.threads, n_threads_batch=args.threads)
+    try:
+        return EntroKVLlama(str(path), **settings, **kwargs)
+    except EntroKVError as e:
+        raise CLIError(f"{path.name}: this model is not supported ({e.message})")
+    except ValueError as e:
+        msg = str(e)
+        if "Failed to load model" in msg:
+            raise CLIError(f"{path}: llama.cpp could not load this model (corrupt or unsupported architecture)")
+        raise CLIError(msg)
+
+
+def _count_tokens(args, text: str) -> int:
+    import llama_cpp
+    path = _model_file(args.model)
+    try:
+        vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=args.verbose)
+    except ValueError:
+        raise CLIError(f"{path}: llama.cpp could not load this model (corrupt or unsupported architecture)")
+    n = len(vocab.tokenize(text.encode()))
+    return n + (0 if getattr(args, "raw", True) else 32)   # the chat template's own tokens
+
+
+def _progress_bar(enabled: bool):
+    if not enabled:
+        return None, None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None, None
+    bar = tqdm(total=0, unit="tok", desc="prefill", file=sys.stderr, leave=False)
+
+    def update(done, total):
+        if bar.total != total:
+            bar.reset(total=total)
+        bar.n = done
+        bar.refresh()
+    return bar, update
+
+
+def _generate(llm, args, text: str, on_text):
+    """Stream the answer to on_text; returns (answer, prefill seconds, decode seconds, decode tokens)."""
+    t0 = time.perf_counter()
+    t_first, n_out, pieces = None, 0, []
+    if args.raw:
+        stream = llm.create_completion(text, max_tokens=args.max_tokens, temperature=args.temp, stream=True)
+        get = lambda c: c["choices"][0].get("text", "")  # noqa: E731
+    else:
+        stream = llm.create_chat_completion([{"role": "user", "content": text}], max_tokens=args.max_tokens,
+                                            temperature=args.temp, stream=True)
+        get = lambda c: c["choices"][0]["delta"].get("content", "") or ""  # noqa: E731
+    for chunk in stream:
+        piece = get(chunk)
+        if t_first is None:
+            t_first = time.perf_counter()
+        if piece:
+            n_out += 1
+            pieces.append(piece)
+            on_text(piece)
+    t_end = time.perf_counter()
+    t_first = t_first or t_end
+    return "".join(pieces), t_first - t0, t_end - t_first, n_out
+
+
+def cmd_run(args) -> int:
+    text = _prompt_text(args)
+    n_prompt = _count_tokens(args, text)
+    bar, update = _progress_bar(sys.stderr.isatty() and not args.json and n_prompt > 1024)
+    llm = _load(args, n_prompt)
+    llm.progress = update
+    echo = (lambda s: None) if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    n0 = llm.n_tokens
+    answer, t_pre, t_dec, n_dec = _generate(llm, args, text, echo)
+    if bar is not None:
+        bar.close()
+    rep = llm.kv_report()
+    n_prefill = max(rep["logical_tokens"] - n0 - n_dec, 1)
+    m = llm.last_eviction.metrics if llm.last_eviction is not None else {}
+    out = {"answer": answer, "policy": args.policy, "logical_tokens": rep["logical_tokens"],
+           "kept_tokens": rep["kept_tokens"], "kv_cells": rep["kv_cells"], "kv_bytes_full": rep["kv_bytes_full"],
+           "kv_bytes_kept": rep["kv_bytes_kept"], "uor_mean": m.get("uor_mean"), "uor_max": m.get("uor_max"),
+           "evictions": rep["evictions"], "prefill_tok_s": n_prefill / max(t_pre, 1e-9),
+           "decode_tok_s": n_dec / max(t_dec, 1e-9) if n_dec else 0.0}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        mib = 1 << 20
+        print(f"\n[{out['logical_tokens']} logical tokens, {out['kept_tokens']} kept in {out['kv_cells']} cells | "
+              f"KV {out['kv_bytes_full'] / mib:.1f} MiB full vs {out['kv_bytes_kept'] / mib:.1f} MiB kept | "
+              f"prefill {out['prefill_tok_s']:.0f} tok/s, decode {out['decode_tok_s']:.1f} tok/s]")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _load(args, None)
+    messages: list[dict] = []
+    interactive = sys.stdin.isatty()
+    print("entrokv-edge chat: /save FILE, /load FILE, /stats, /quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            try:
+                if cmd == "/quit":
+                    break
+                elif cmd == "/stats":
+                    rep = llm.kv_report()
+                    print(json.dumps({k: v for k, v in rep.items() if k != "layers"}))
+                elif cmd == "/save" and arg:
+                    llm.save_session(arg, extra={"messages": messages})
+                    print(f"saved {arg}")
+                elif cmd == "/load" and arg:
+                    messages = llm.load_session(arg).get("messages", [])
+                    print(f"loaded {arg} ({len(messages)} messages)")
+                else:
+                    print(f"unknown command {line!r}: /save FILE, /load FILE, /stats, /quit", file=sys.stderr)
+            except (OSError, ValueError) as e:
+                print(f"entrokv-edge: {e}", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for chunk in llm.create_chat_completion(messages, max_tokens=args.max_tokens, temperature=args.temp,
+                                                stream=True):
+            piece = chunk["choices"][0]["delta"].get("content", "") or ""
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def _pages_map(positions, n: int, P: int, width: int = 96) -> list[str]:
+    """One line per (layer, group): '#' where a page is kept ('+' partly, when pages are merged)."""
+    import numpy as np
+    L, G, _ = positions.shape
+    n_pages = -(-n // P)
+    kept = np.zeros((L, G, n_pages), dtype=bool)
+    li, gi, _ = np.indices(positions.shape)
+    kept[li, gi, positions // P] = True
+    step = max(1, -(-n_pages // width))
+    lines = []
+    for l in range(L):
+        for g in range(G):
+            row = kept[l, g]
+            cells = [row[i: i + step] for i in range(0, n_pages, step)]
+            lines.append("".join("#" if c.all() else "+" if c.any() else "." for c in cells))
+    return lines
+
+
+def cmd_inspect(args) -> int:
+    import numpy as np
+    text = _prompt_text(args)
+    n_prompt = _count_tokens(args, text)
+    llm = _load(args, n_prompt)
+    toks = llm.tokenize(text.encode())
+    if len(toks) > llm.kv_cells - llm.reserve:
+        raise CLIError(f"inspect evicts once, at the end of the prompt: {len(toks)} tokens need "
+                       f"--kv-cells of at least {len(toks) + llm.reserve}")
+    llm.eval(toks)
+    if llm.last_eviction is None:
+        raise CLIError("the budget keeps the whole prompt: nothing was evicted, so there is nothing to inspect")
+    res = llm.last_eviction
+    m, heads = res.metrics, res.metrics["heads"]
+    rmap = _pages_map(res.positions, len(toks), args.page_size)
+    if args.png:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise CLIError("--png needs matplotlib: pip install 'entrokv-edge[plot]'")
+        fig, ax = plt.subplots(1, 3, figsize=(15, 5))
+        for a, key, title in ((ax[0], "collision_entropy", "collision entropy H2"), (ax[1], "weights", "head weight")):
+            im = a.imshow(np.array(heads[key]), aspect="auto", cmap="viridis")
+            a.set(title=title, xlabel="query head", ylabel="layer")
+            fig.colorbar(im, ax=a)
+        ax[2].imshow([[c == "#" for c in line] for line in rmap], aspect="auto", cmap="Greys", interpolation="nearest")
+        ax[2].set(title=f"retained pages ({args.policy})", xlabel="page", ylabel="layer x KV head")
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=100)
+    if args.json:
+        print(json.dumps({"policy": args.policy, "logical_tokens": m["logical_tokens"],
+                          "kept_tokens": m["kept_tokens"], "uor_mean": m["uor_mean"], "uor_max": m["uor_max"],
+                          "entropies": heads["collision_entropy"], "weights": heads["weights"],
+                          "sink_masses": heads["sink_mass"], "masquerade_ratios": heads["masquerade_ratio"],
+                          "retained_pages": rmap}))
+        return 0
+    H2, W, SM, MR = (np.array(heads[k]) for k in ("collision_entropy", "weights", "sink_mass", "masquerade_ratio"))
+    print(f"{m['logical_tokens']} tokens, {m['kept_tokens']} kept per KV head ({args.policy}); "
+          f"head-independent UOR mean {m['uor_mean']:.3f} max {m['uor_max']:.3f}")
+    print("layer  H2 per query head | weights | sink mass | masquerade ratio")
+    for l in range(H2.shape[0]):
+        fmt = lambda row, f: " ".join(format(v, f) for v in row)  # noqa: E731
+        print(f"{l:5d}  {fmt(H2[l], '5.2f')} | {fmt(W[l], '4.2f')} | {fmt(SM[l], '4.2f')} | {fmt(MR[l], '5.2f')}")
+    print("retained pages ('#' kept) per layer x KV head:")
+    for line in rmap:
+        print("  " + line)
+    if args.png:
+        print(f"figures written to {args.png}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .bindings import EntroKVError
+    if not args.verbose:
+        _quiet_llama()
+    try:
+        return {"run": cmd_run, "chat": cmd_chat, "inspect": cmd_inspect}[args.cmd](args)
+    except CLIError as e:
+        print(f"entrokv-edge: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except EntroKVError as e:
+        print(f"entrokv-edge: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The entrokv-edge command, run as a real process."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+ZEN_LINES = ["Beautiful is better than ugly.", "Explicit is better than implicit.", "Simple is better than complex.",
+             "Complex is better than complicated.", "Flat is better than nested.", "Sparse is better than dense."]
+
+
+def cli(*args, stdin=None, timeout=300):
+    r = subprocess.run([sys.executable, "-m", "entrokv_edge", *map(str, args)], capture_output=True, text=True,
+                       input=stdin, timeout=timeout)
+    return r.returncode, r.stdout, r.stderr
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    p = tmp_path_factory.mktemp("doc") / "doc.txt"
+    p.write_text("\n".join(f"Line {i}: {ZEN_LINES[i % 6]}" for i in range(150)))
+    return p
+
+
+def test_run_prints_the_answer_and_a_stats_line(smollm2, doc):
+    rc, out, err = cli("run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 1024,
+                       "--budget", 0.2, "--max-tokens", 12)
+    assert rc == 0, err
+    answer, stats = out.rstrip().rsplit("\n", 1)
+    assert answer.strip() and "logical tokens" in stats and "kept in 1024 cells" in stats and "tok/s" in stats
+    assert "Traceback" not in err and "llama_" not in err          # llama.cpp quiet by default
+
+
+def test_run_json_has_the_fields_scripts_use(smollm2, doc):
+    rc, out, err = cli("run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 1024, "--json",
+                       "--max-tokens", 8, "--policy", "page-entrokv")
+    assert rc == 0, err
+    d = json.loads(out)
+    for k in ("answer", "policy", "logical_tokens", "kept_tokens", "kv_cells", "kv_bytes_full", "kv_bytes_kept",
+              "uor_mean", "uor_max", "prefill_tok_s", "decode_tok_s"):
+        assert k in d, k
+    assert d["kv_cells"] == 1024 and d["kept_tokens"] < d["logical_tokens"] and d["kv_bytes_kept"] < d["kv_bytes_full"]
+    assert 1.0 <= d["uor_mean"] <= d["uor_max"] <= 3.0 and d["policy"] == "page-entrokv"
+
+
+def test_a_prompt_longer_than_the_cache_runs(smollm2, doc):
+    rc, out, err = cli("run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 512,
+                       "--budget", 256, "--json", "--max-tokens", 4)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["logical_tokens"] > 512 >= d["kept_tokens"] and d["evictions"] >= 2
+
+
+def test_inspect_text_json_and_png(smollm2, doc, tmp_path):
+    png = tmp_path / "heads.png"
+    rc, out, err = cli("inspect", "-m", smollm2, "-f", doc, "--png", png)   # default cache: the prompt fits
+    if rc != 0 and "matplotlib" in err:
+        png = None
+        rc, out, err = cli("inspect", "-m", smollm2, "-f", doc)
+    assert rc == 0, err
+    rmap = out.split("retained pages ('#' kept) per layer x KV head:\n")[1].splitlines()
+    assert len(rmap) == 90 and all(set(l.strip()) <= set("#+.") and "#" in l for l in rmap[:90])
+    if png is not None:
+        assert png.read_bytes()[:4] == b"\x89PNG"
+    rc, out, err = cli("inspect", "-m", smollm2, "-f", doc, "--json")
+    d = json.loads(out)
+    assert len(d["entropies"]) == 30 and len(d["weights"][0]) == 9 and len(d["sink_masses"]) == 30
+
+
+def test_chat_with_save_load_and_stats(smollm2, tmp_path):
+    sess = tmp_path / "s.entrokv"
+    script = f"Hello!\n/stats\n/save {sess}\nWhat did I say?\n/load {sess}\n/stats\n/quit\n"
+    rc, out, err = cli("chat", "-m", smollm2, "--kv-cells", 512, "--budget", 128, "--max-tokens", 8, stdin=script)
+    assert rc == 0, err
+    stats = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    assert len(stats) == 2 and stats[0] == stats[1]          # /load brought back the saved conversation
+    assert f"saved {sess}" in out and "loaded" in out
+
+
+@pytest.mark.parametrize("case", ["missing model", "not gguf", "corrupt gguf", "empty prompt", "page size",
+                                  "budget below protected", "budget above cache", "binary file", "unknown name"])
+def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
+    notgguf = tmp_path / "x.gguf"
+    notgguf.write_text("hello")
+    corrupt = tmp_path / "c.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(64))
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(bytes(range(256)))
+    args = {
+        "missing model": ["-m", tmp_path / "nope.gguf", "-p", "hi"],
+        "not gguf": ["-m", notgguf, "-p", "hi"],
+        "corrupt gguf": ["-m", corrupt, "-p", "hi"],
+        "empty prompt": ["-m", smollm2, "-p", "   "],
+        "page size": ["-m", smollm2, "-f", doc, "--page-size", 0],
+        "budget below protected": ["-m", smollm2, "-f", doc, "--budget", 0.001],
+        "budget above cache": ["-m", smollm2, "-f", doc, "--kv-cells", 512, "--budget", 0.9],
+        "binary file": ["-m", smollm2, "-f", binary],
+        "unknown name": ["-m", "no-such-model", "-p", "hi"],
+    }[case]
+    rc, out, err = cli("run", *args)
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("entrokv-edge: ") and "Traceback" not in err, err
