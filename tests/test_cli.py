@@ -78,8 +78,10 @@ def test_chat_with_save_load_and_stats(smollm2, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing model", "not gguf", "corrupt gguf", "empty prompt", "page size",
-                                  "budget below protected", "budget above cache", "binary file", "unknown name"])
+                                  "budget below protected", "budget above cache", "binary file", "unknown name",
+                                  "unsupported architecture"])
 def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
+    from synth import write_model
     notgguf = tmp_path / "x.gguf"
     notgguf.write_text("hello")
     corrupt = tmp_path / "c.gguf"
@@ -96,6 +98,8 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
         "budget above cache": ["-m", smollm2, "-f", doc, "--kv-cells", 512, "--budget", 0.9],
         "binary file": ["-m", smollm2, "-f", binary],
         "unknown name": ["-m", "no-such-model", "-p", "hi"],
+        "unsupported architecture": ["-m", write_model(tmp_path / "vl.gguf", arch="qwen2vl", n_head=4, n_head_kv=2),
+                                     "-p", "hello there, how are you doing today my friend", "--budget", 1.0],
     }[case]
     rc, out, err = cli("run", *args)
     assert rc == 2 and out == ""

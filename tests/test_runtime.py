@@ -112,3 +112,21 @@ def test_settings_are_checked(model):
         ek.EntroKVLlama(model, n_ctx=256, logits_all=True, **SETTINGS)
     with pytest.raises(TypeError):
         ek.EntroKVLlama(model, n_ctx=256, eviction=ek.EvictionConfig(), **SETTINGS)
+
+
+def test_a_6k_token_prompt_through_a_1024_cell_cache_keeps_a_fact_from_its_start(smollm2):
+    # the full-cache model answers this (BLUEBIRD) at 6.3k tokens; the question is asked in
+    # completion form, which SmolLM2-135M answers reliably at this length
+    animals = ["fox", "heron", "goat", "otter", "crow", "badger", "mule"]
+    places = ["mill", "harbor", "orchard", "bridge", "market", "chapel", "quarry"]
+    things = ["lantern", "basket", "rope", "coin", "kettle", "ladder", "map"]
+    filler = "\n".join(f"On day {i}, the {animals[i % 7]} walked to the {places[(i * 3) % 7]} and found a "
+                       f"{things[(i * 5) % 7]}." for i in range(330))
+    text = ("Important: the password for the meeting is BLUEBIRD.\n" + filler +
+            "\nQuestion: What is the password for the meeting?\nAnswer: The password for the meeting is")
+    llm = ek.EntroKVLlama(str(smollm2), n_ctx=1024, budget=512, page_size=16, window=32, verbose=False,
+                          seed=0, n_threads=2, n_threads_batch=2)
+    out = llm.create_completion(text, max_tokens=6, temperature=0.0)
+    assert out["usage"]["prompt_tokens"] > 6000
+    assert "BLUEBIRD" in out["choices"][0]["text"]
+    assert ek.geometry(llm).n_used <= 1024 and llm.n_evictions >= 8
