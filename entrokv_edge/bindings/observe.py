@@ -23,7 +23,8 @@ from .native import _api, _check, context_pointer
 class WindowScores:
     """Scores of one observed ubatch.
 
-    scores    float32 [L, H, n_kv]: mean over the window queries of the attention on cell c
+    scores    [L, H, n_kv]: mean over the window queries of the attention on cell c (float32
+              views inside the callback; float64 in copies, trimmed to the used cells)
     true_pos  int32   [n_slots, n_kv]: true position of each cell's token per (layer, KV head) slot
     layer_ids int32   [L]
     """
@@ -40,8 +41,13 @@ class WindowScores:
         return self.true_pos.shape[0] // self.scores.shape[0]
 
     def copy(self) -> "WindowScores":
-        return WindowScores(self.scores.copy(), self.true_pos.copy(), self.layer_ids.copy(),
-                            self.window, self.n_tokens, self.pos_last)
+        """A copy that owns its data: scores as float64 (what the controller computes in;
+        converting during the copy the callback must make anyway costs nothing more),
+        trimmed after the last cell that holds a token."""
+        used = np.flatnonzero((self.true_pos >= 0).any(axis=0))
+        n = int(used[-1]) + 1 if used.size else 0
+        return WindowScores(np.array(self.scores[:, :, :n], dtype=np.float64), self.true_pos[:, :n].copy(),
+                            self.layer_ids.copy(), self.window, self.n_tokens, self.pos_last)
 
 
 def _view(ffi, s) -> WindowScores:
