@@ -55,7 +55,8 @@ def test_inspect_text_json_and_png(smollm2, doc, tmp_path):
     png = tmp_path / "heads.png"
     rc, out, err = cli("inspect", "-m", smollm2, "-f", doc, "--png", png)   # default cache: the prompt fits
     assert rc == 0, err
-    rmap = out.split("retained pages ('#' kept) per layer x KV head:\n")[1].splitlines()
+    rmap = [l for l in out.split("retained pages ('#' kept) per layer x KV head:\n")[1].splitlines()
+            if l.startswith("  ")]
     assert len(rmap) == 90 and all(set(l.strip()) <= set("#+.") and "#" in l for l in rmap[:90])
     assert png.read_bytes()[:4] == b"\x89PNG" and f"figures written to {png}" in out
     rc, out, err = cli("inspect", "-m", smollm2, "-f", doc, "--json")
