@@ -333,8 +333,12 @@ def cmd_inspect(args) -> int:
             im = a.imshow(np.array(heads[key]), aspect="auto", cmap="viridis")
             a.set(title=title, xlabel="query head", ylabel="layer")
             fig.colorbar(im, ax=a)
-        ax[2].imshow([[c == "#" for c in line] for line in rmap], aspect="auto", cmap="Greys", interpolation="nearest")
-        ax[2].set(title=f"retained pages ({args.policy})", xlabel="page", ylabel="layer x KV head")
+        shade = {"#": 1.0, "+": 0.5, ".": 0.0}
+        ax[2].imshow([[shade[c] for c in line] for line in rmap], aspect="auto", cmap="Greys", vmin=0, vmax=1,
+                     interpolation="nearest")
+        step = max(1, -(-(-(-len(toks) // args.page_size)) // 96))
+        ax[2].set(title=f"{args.policy}: kept pages (grey: partly)",
+                  xlabel=f"page group ({step} page(s) of {args.page_size} tokens)", ylabel="layer x KV head")
         fig.tight_layout()
         fig.savefig(args.png, dpi=100)
     if args.json:
