@@ -84,3 +84,17 @@ def test_prefill_controller_and_its_refusals(synth_models):
         ek.PageEntroKV(budget=0.5, page_size=8, window=16).prefill(llm, toks)
     with pytest.raises(TypeError):
         ek.PageEntroKV(ek.EvictionConfig(), budget=0.3)
+
+
+def test_head_metrics_match_the_token_level_definitions(synth_models):
+    from entrokv_edge.controller.weights import collision, head_weights, isolate_sinks, masquerade_ratio, sink_mass
+    llm = make_llm(synth_models["llama-r3"])
+    toks = np.random.default_rng(7).integers(3, 300, 130)
+    s = observed_prefill(llm, toks, 16)
+    m = ek.PageEntroKV(budget=64, page_size=8, window=16).evict(llm, s).metrics["heads"]
+    sc = s.scores[:, :, :130]
+    c = collision(isolate_sinks(sc, 4)[0])
+    np.testing.assert_allclose(m["collision_entropy"], -np.log(c), rtol=1e-9)
+    np.testing.assert_allclose(m["weights"], head_weights(c, 3), rtol=1e-9)
+    np.testing.assert_allclose(m["sink_mass"], sink_mass(sc, 4), rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(m["masquerade_ratio"], masquerade_ratio(sc, 4, 3), rtol=1e-9)

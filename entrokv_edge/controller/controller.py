@@ -18,7 +18,7 @@ from . import metrics as M
 from .config import EvictionConfig
 from .pages import page_scores, pages_to_positions
 from .policies import Selection, select
-from .weights import collision, head_weights, isolate_sinks, masquerade_ratio, sink_mass
+from .weights import head_weights
 
 
 @dataclass
@@ -92,7 +92,7 @@ class PageEntroKV:
                 cells = self._cells_of(tp_now, positions.reshape(L * G, -1), n)
             compact(llm, cells)
         result = EvictionResult(sel, positions)
-        result.metrics = self._metrics(llm, np.asarray(s, dtype=np.float64), r, sel, positions, n, needles)
+        result.metrics = self._metrics(llm, s, r, sel, positions, n, needles)
         return result
 
     @staticmethod
@@ -140,8 +140,7 @@ class PageEntroKV:
         n_pages = cfg.n_pages(n)
         u = M.uor(sel.head_pages, r, n_pages)
         d = M.disagreement(sel.head_pages, r, n_pages)
-        p, flagged = isolate_sinks(s, cfg.sinks)
-        c = collision(p)
+        st = sel.stats
         K = positions.shape[-1]
         per_layer = []
         for layer in g.layers:
@@ -150,6 +149,7 @@ class PageEntroKV:
             per_layer.append({"il": layer.il, "pages_per_group": int(sel.pages.shape[-1]), "tokens_per_group": K,
                               "k_bytes": K * hk * layer.n_head_kv, "v_bytes": K * hv * layer.n_head_kv})
         total = sum(x["k_bytes"] + x["v_bytes"] for x in per_layer)
+        w_iso = head_weights(st.c_iso, r, cfg.tau)
         out = {
             "policy": cfg.policy, "logical_tokens": n, "page_size": cfg.page_size, "window": cfg.window,
             "budget_pages": sel.n_budget, "kept_pages": int(sel.pages.shape[-1]), "kept_tokens": K,
@@ -160,11 +160,12 @@ class PageEntroKV:
             "kv_bytes_kept": total, "kv_bytes_engine": g.n_used * g.bytes_per_cell,
             "layers": per_layer,
             "heads": {
-                "collision_entropy": (-np.log(np.maximum(c, 1e-300))).tolist(),
-                "weights": head_weights(c, r, cfg.tau).tolist(),
-                "sink_mass": sink_mass(s, cfg.sinks).tolist(),
-                "masquerade_ratio": masquerade_ratio(s, cfg.sinks, r, cfg.tau).tolist(),
-                "all_on_sinks": flagged.tolist(),
+                "collision_entropy": (-np.log(np.maximum(st.c_iso, 1e-300))).tolist(),
+                "weights": w_iso.tolist(),
+                "sink_mass": np.where(st.mass_all > 0, 1.0 - st.mass_iso / np.where(st.mass_all > 0, st.mass_all, 1.0),
+                                      0.0).tolist(),
+                "masquerade_ratio": (head_weights(st.c_all, r, cfg.tau) / np.maximum(w_iso, 1e-300)).tolist(),
+                "all_on_sinks": st.flagged.tolist(),
             },
         }
         if needles is not None:

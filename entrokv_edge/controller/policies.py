@@ -14,20 +14,22 @@ import numpy as np
 
 from .config import EvictionConfig
 from .pages import page_scores, select_pages
-from .stats import head_page_dist, head_stats
+from .stats import HeadStats, head_page_dist, head_stats
 from .weights import head_weights, pool
 
 
 @dataclass
 class Selection:
     """pages int32 [L, G, N'] (ascending page indices per group), n_budget = N, weights
-    [L, H] where the policy has them, and ``head_pages`` int32 [L, H, N]: each query
+    [L, H] where the policy has them, the per-head statistics they came from, and
+    ``head_pages`` int32 [L, H, N]: each query
     head's own top-N pages (the head-independent replay behind the UOR metrics),
     computed on first use."""
 
     pages: np.ndarray
     n_budget: int
     weights: np.ndarray | None
+    stats: HeadStats = field(repr=False)
     _heads: Callable[[], np.ndarray] = field(repr=False)
     _head_pages: np.ndarray | None = field(default=None, repr=False)
 
@@ -102,7 +104,7 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         pages = union_padded(head_pages, mean if available is None else np.where(available, mean, -np.inf))
     else:  # guarded by EvictionConfig
         raise ValueError(cfg.policy)
-    return Selection(pages=pages, n_budget=N, weights=w, _heads=heads, _head_pages=head_pages)
+    return Selection(pages=pages, n_budget=N, weights=w, stats=st, _heads=heads, _head_pages=head_pages)
 
 
 def union_padded(heads: np.ndarray, score: np.ndarray) -> np.ndarray:
