@@ -62,6 +62,11 @@ class EntroKVLlama(llama_cpp.Llama):
         self.last_eviction: EvictionResult | None = None
         self.n_evictions = 0
 
+    def close(self) -> None:
+        # a constructor that refused its arguments never reached Llama.__init__
+        if hasattr(self, "_stack"):
+            super().close()
+
     # --- the cache ------------------------------------------------------------------
 
     @property
