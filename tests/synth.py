@@ -1,7 +1,8 @@
 """Tiny random-weight GGUF models written with the gguf writer.
 
-Architectures: llama and qwen2 (what the method supports), qwen2vl (M-RoPE) and mpt
-(ALiBi), the last two to check that the native code refuses them.
+Architectures: llama and qwen2 (what the method supports), qwen2vl (M-RoPE), mpt (ALiBi)
+and mamba (recurrent memory, no KV cache), the last three to check that the native code
+refuses them.
 
 Dimensions are small so a test decodes in milliseconds; head_dim = 32 keeps every
 head's K/V slice block-aligned for Q4_0/Q8_0 caches.
@@ -43,8 +44,13 @@ def write_model(path: Path, *, arch: str = "llama", n_layer: int = 2, n_head: in
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
+    w.add_head_count(0 if arch == "mamba" else n_head)
+    w.add_head_count_kv(0 if arch == "mamba" else n_head_kv)
+    if arch == "mamba":
+        w.add_ssm_conv_kernel(4)
+        w.add_ssm_inner_size(2 * n_embd)
+        w.add_ssm_state_size(16)
+        w.add_ssm_time_step_rank(8)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
     if arch == "mpt":
@@ -70,6 +76,21 @@ def write_model(path: Path, *, arch: str = "llama", n_layer: int = 2, n_head: in
     t("token_embd.weight", n_vocab, n_embd, scale=0.5)
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     t("output.weight", n_vocab, n_embd, scale=0.2)
+    if arch == "mamba":
+        d_inner = 2 * n_embd
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+            t(p + "ssm_in.weight", 2 * d_inner, n_embd)
+            t(p + "ssm_conv1d.weight", d_inner, 4)
+            t(p + "ssm_conv1d.bias", d_inner)
+            t(p + "ssm_x.weight", 8 + 2 * 16, d_inner)
+            t(p + "ssm_dt.weight", d_inner, 8)
+            t(p + "ssm_dt.bias", d_inner)
+            w.add_tensor(p + "ssm_a", -np.exp(rng.standard_normal((d_inner, 16))).astype(np.float32))
+            w.add_tensor(p + "ssm_d", np.ones(d_inner, dtype=np.float32))
+            t(p + "ssm_out.weight", n_embd, d_inner)
+        n_layer = 0
     if arch == "mpt":
         for i in range(n_layer):
             p = f"blk.{i}."

@@ -145,7 +145,7 @@ def test_prefix_reuse_cannot_damage_a_compacted_cache(synth_models):
     assert ek.geometry(a).n_compacted == 0 and ek.n_refused(a) >= 1
 
 
-@pytest.mark.parametrize("arch,reason", [("qwen2vl", "M-RoPE"), ("mpt", "ALiBi")])
+@pytest.mark.parametrize("arch,reason", [("qwen2vl", "M-RoPE"), ("mpt", "ALiBi"), ("mamba", "recurrent")])
 def test_unsupported_models_are_refused(tmp_path, arch, reason):
     from synth import write_model
     llm = make_llm(write_model(tmp_path / f"{arch}.gguf", arch=arch, n_head=4, n_head_kv=2 if arch != "mpt" else 4))
