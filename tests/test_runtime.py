@@ -130,3 +130,13 @@ def test_a_6k_token_prompt_through_a_1024_cell_cache_keeps_a_fact_from_its_start
     assert out["usage"]["prompt_tokens"] > 6000
     assert "BLUEBIRD" in out["choices"][0]["text"]
     assert ek.geometry(llm).n_used <= 1024 and llm.n_evictions >= 8
+
+
+def test_call_stop_sequences_and_sampling_work_as_in_llama_cpp(smollm2):
+    llm = ek.EntroKVLlama(str(smollm2), n_ctx=256, budget=64, page_size=8, window=16, verbose=False, seed=1)
+    out = llm("Count with me: one, two, three, four,", max_tokens=20, stop=[","], temperature=0.0)
+    text = out["choices"][0]["text"]
+    assert "," not in text and out["choices"][0]["finish_reason"] == "stop"
+    sampled = llm("The weather today is", max_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=3)
+    again = llm("The weather today is", max_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=3)
+    assert sampled["choices"][0]["text"] == again["choices"][0]["text"]   # seeded sampling is reproducible
