@@ -12,6 +12,7 @@ from .native import (
     select_pages_native,
     set_last_logits,
     true_positions,
+    used_cells,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "select_pages_native",
     "set_last_logits",
     "true_positions",
+    "used_cells",
 ]

@@ -149,6 +149,14 @@ def geometry(llm) -> KVGeometry:
     )
 
 
+def used_cells(llm) -> int:
+    """Cells of the (compactable) cache that hold a token: one native call, for hot paths."""
+    ffi, lib = _api()
+    g = ffi.new("struct llama_entrokv_geometry *")
+    _check(lib.llama_entrokv_get_geometry(context_pointer(llm), g))
+    return int(g.n_used)
+
+
 def true_positions(llm) -> np.ndarray:
     """int32 [n_slots, kv_size]: the true position of the token each cell holds for
     each (layer, KV head) slot, -1 for empty cells."""

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..bindings import EntroKVError, geometry, restore, set_last_logits, true_positions
+from ..bindings import EntroKVError, geometry, restore, set_last_logits, true_positions, used_cells
 from ..bindings.observe import Observation, WindowScores
 from ..controller import EvictionConfig, EvictionResult, PageEntroKV
 from .._loader import ensure_llama_cpp
@@ -74,7 +74,7 @@ class EntroKVLlama(llama_cpp.Llama):
         return self.controller.config
 
     def _used(self) -> int:
-        return geometry(self).n_used
+        return used_cells(self)   # on every decoded token: the one-call form, not the full geometry
 
     def _capacity_pages(self) -> int:
         """Pages an eviction may keep so that new tokens still find room."""
