@@ -4,6 +4,8 @@ bounded KV cache with Page-EntroKV eviction.
     entrokv-edge run -m smollm2-135m -f essay.txt -p "Who wrote it?" --kv-cells 1024 --budget 0.2
     entrokv-edge chat -m model.gguf --kv-cells 2048
     entrokv-edge inspect -m smollm2-135m -f essay.txt --png heads.png
+    entrokv-edge rpc-server --host 127.0.0.1 --port 50052     # (a -DGGML_RPC=ON build)
+    entrokv-edge run -m smollm2-135m -p "Hi" --rpc 127.0.0.1:50052 --n-gpu-layers 99
 
 Bad input gets one line on stderr and exit status 2; nothing prints a traceback.
 """
@@ -48,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--policy", choices=POLICIES, default="page-entrokv")
     common.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
     common.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
+    common.add_argument("--n-gpu-layers", type=int, default=0,
+                        help="layers (and their KV cache) on the GPU or RPC devices; -1: all (default 0)")
+    common.add_argument("--rpc", action="append", metavar="HOST:PORT",
+                        help="use an RPC server (entrokv-edge rpc-server); repeat for several")
     for name, help_ in (("run", "answer one prompt"), ("chat", "interactive chat"), ("inspect", "per-head statistics")):
         p = sub.add_parser(name, parents=[common], help=help_)
         if name != "chat":
@@ -60,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
         if name == "inspect":
             p.add_argument("--png", help="also write the figures to this PNG (needs matplotlib)")
+    p = sub.add_parser("rpc-server", help="serve this machine's CPU to llama.cpp RPC clients")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback; the protocol "
+                   "has no authentication: expose it only on a trusted network)")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--threads", type=int, help="CPU threads (default: all)")
+    p.add_argument("--cache-dir", help="keep received tensors here, so a model is sent once")
+    p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
     return ap
 
 
@@ -148,7 +161,13 @@ def _load(args, n_prompt: int | None):
         if cfg.policy != "full" and tokens > cells - reserve:
             raise CLIError(f"budget of {tokens} tokens is above what a {cells}-cell cache can keep "
                            f"({cells - reserve}, leaving room for new tokens); lower --budget or raise --kv-cells")
-    kwargs = dict(n_ctx=cells, n_batch=512, verbose=args.verbose)
+    kwargs = dict(n_ctx=cells, n_batch=512, verbose=args.verbose, n_gpu_layers=args.n_gpu_layers)
+    if args.rpc:
+        from .runtime.rpc import RPCUnavailableError, add_servers
+        try:
+            add_servers(args.rpc)
+        except (RPCUnavailableError, ValueError) as e:
+            raise CLIError(str(e))
     if args.threads:
         kwargs.update(n_threads=args.threads, n_threads_batch=args.threads)
     try:
@@ -363,13 +382,23 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_rpc_server(args) -> int:
+    from .runtime.rpc import RPCUnavailableError, serve
+    try:
+        serve(f"{args.host}:{args.port}", n_threads=args.threads, cache_dir=args.cache_dir)
+    except (RPCUnavailableError, ValueError) as e:
+        raise CLIError(str(e))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .bindings import EntroKVError
     if not args.verbose:
         _quiet_llama()
     try:
-        return {"run": cmd_run, "chat": cmd_chat, "inspect": cmd_inspect}[args.cmd](args)
+        return {"run": cmd_run, "chat": cmd_chat, "inspect": cmd_inspect,
+                "rpc-server": cmd_rpc_server}[args.cmd](args)
     except CLIError as e:
         print(f"entrokv-edge: {e}", file=sys.stderr)
         return EXIT_USAGE

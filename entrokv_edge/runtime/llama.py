@@ -32,11 +32,12 @@ class EntroKVLlama(llama_cpp.Llama):
     ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``) or
     ``eviction=EvictionConfig(...)``; ``logical_ctx`` (the longest conversation accepted,
     default: the model's training context); ``progress`` (a callable(done, total) called
-    during long prefills).
+    during long prefills); ``rpc_servers`` ("host:port" or a list: llama.cpp RPC servers
+    to offload to, with ``n_gpu_layers``; needs a ``-DGGML_RPC=ON`` build).
     """
 
     def __init__(self, model_path: str, *, eviction: EvictionConfig | None = None, logical_ctx: int | None = None,
-                 progress: Callable[[int, int], None] | None = None, **kwargs):
+                 progress: Callable[[int, int], None] | None = None, rpc_servers=None, **kwargs):
         settings = {k: kwargs.pop(k) for k in _SETTINGS if k in kwargs}
         if eviction is not None and settings:
             raise TypeError("give either eviction=EvictionConfig(...) or its settings, not both")
@@ -44,6 +45,9 @@ class EntroKVLlama(llama_cpp.Llama):
             raise ValueError("EntroKVLlama does not support logits_all (per-token logits of a logical "
                              "sequence longer than the cache)")
         cfg = eviction if eviction is not None else EvictionConfig(**settings)
+        if rpc_servers:
+            from .rpc import add_servers
+            add_servers(rpc_servers)
         super().__init__(model_path, **kwargs)
         self.controller = PageEntroKV(cfg)
         g = geometry(self)          # raises EntroKVError for models the method cannot act on
