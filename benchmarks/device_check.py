@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU only: force the graph path, small sizes")
     ap.add_argument("--rpc", metavar="HOST:PORT", help="offload to this RPC server instead of a GPU")
     ap.add_argument("--model", choices=["small", "large"], help="timing model (default: small for --dry-run)")
+    ap.add_argument("--correctness-only", action="store_true", help="skip the cost part (e.g. under compute-sanitizer)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if args.rpc:
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
         tmp = Path(d)
         checks = correctness(tmp, ngl, args.dry_run)
         small = (args.model or ("small" if args.dry_run else "large")) == "small"
-        costs = cost(tmp, sizes, ngl, args.dry_run, small, args.repeats)
+        costs = [] if args.correctness_only else cost(tmp, sizes, ngl, args.dry_run, small, args.repeats)
     result = dict(dry_run=args.dry_run, rpc=args.rpc, small_model=small, system=C.llama_print_system_info().decode(), checks=checks, cost=costs,
                   seconds=time.perf_counter() - t0)
     if args.json:
@@ -204,9 +205,11 @@ def main(argv=None) -> int:
     for r in checks:
         print(f"{r['model']:10} {r['cache']:6} {r['score_err']:10.2e} {r['logit_err']:10.2e} "
               f"{'same' if r['greedy_equal'] else 'DIFF':>7}  {'PASS' if r['ok'] else 'FAIL'}")
-    print(f"\ncost ({'small' if small else 'large'} timing model, F16 cache, keep 20% as pages of 16; copy = {costs[0]['copy_kind']})")
-    print(f"{'tokens':>7} {'prefill s':>9} {'window ms':>9} {'observed':>9} {'overhead':>8} "
-          f"{'compact ms':>10} {'kept MiB':>8} {'copy ms':>8} {'ratio':>6}")
+    if costs:
+        print(f"\ncost ({'small' if small else 'large'} timing model, F16 cache, keep 20% as pages of 16; "
+              f"copy = {costs[0]['copy_kind']})")
+        print(f"{'tokens':>7} {'prefill s':>9} {'window ms':>9} {'observed':>9} {'overhead':>8} "
+              f"{'compact ms':>10} {'kept MiB':>8} {'copy ms':>8} {'ratio':>6}")
     for r in costs:
         print(f"{r['tokens']:7d} {r['prefill_s']:9.2f} {r['window_plain_ms']:9.2f} {r['window_observed_ms']:9.2f} "
               f"{r['scoring_overhead_pct']:7.2f}% {r['compaction_ms']:10.2f} {r['kept_mib']:8.1f} "

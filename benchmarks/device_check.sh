@@ -7,7 +7,8 @@
 # benchmarks/device_check.py: scores and compaction on the GPU against the CPU, and their
 # cost at 8k/32k tokens against a device copy of the bytes moved. Prints a table last;
 # results also go to $OUT (or build/cuda) as device_check.json.
-# DEVICE_CHECK_CPU=1 rehearses the whole script on a machine without a GPU (CPU build).
+# DEVICE_CHECK_CPU=1 rehearses the whole script on a machine without a GPU (CPU build);
+# DEVICE_CHECK_SANITIZE=1 also runs the correctness part under compute-sanitizer memcheck.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=.devcarry
@@ -47,5 +48,12 @@ CMAKE_ARGS="$cmake_args" python3 -m pip install --no-build-isolation --no-deps -
 echo "device_check: build took $(( $(date +%s) - t0 )) s"
 
 cd /tmp   # import the installed package, not the source tree's copy without libraries
+if [ "${DEVICE_CHECK_SANITIZE:-}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+    # the correctness part once more under memcheck: out-of-bounds reads/writes of the
+    # observation nodes or of the compaction graph show up here, not as wrong numbers
+    compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$OLDPWD/benchmarks/device_check.py" \
+        --correctness-only "$@" > "$out/memcheck.log" 2>&1 && echo "device_check: memcheck clean" \
+        || { tail -30 "$out/memcheck.log"; echo "device_check: memcheck reported errors (log: $out/memcheck.log)"; }
+fi
 PYTHONUNBUFFERED=1 python3 "$OLDPWD/benchmarks/device_check.py" --json "$out/device_check.json" "$@"
 echo "device_check: $(( $(date +%s) - t0 )) s in all"

