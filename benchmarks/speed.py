@@ -1,0 +1,115 @@
+"""Speed and memory: a full cache against Page-EntroKV at 20%, side by side.
+
+    python benchmarks/speed.py [--quick] [--model smollm2-135m] [--json out.json]
+
+Every measurement runs in its own process (its peak RSS is the process's), on the same
+real text (the essays, concatenated):
+- prefill of N = 2k/4k/8k tokens with a plain llama.cpp cache, and with EntroKVLlama
+  (same cache size, the last 32 tokens observed, then evicted to 20%): the overhead of
+  scoring and compaction as a share of the plain prefill; then 32 greedy tokens decoded
+  on each cache (full vs 20%);
+- a prompt of 16k tokens through a 2048-cell EntroKVLlama cache (budget 1024) against the
+  full 16k cache.
+KV bytes: what llama.cpp allocated for the cache, and what the page accounting says is
+held after the last eviction.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+FULL = dict(lengths=[2048, 4096, 8192], long=16384, long_cells=2048, long_budget=1024)
+QUICK = dict(lengths=[512], long=2048, long_cells=512, long_budget=256)
+
+
+def _one(spec: dict) -> dict:
+    """One measurement, in this process."""
+    import entrokv_edge as ek
+    import _harness as H
+    path = str(ek.models.model_path(spec["model"]))
+    vocab = ek.llama_cpp.Llama(path, vocab_only=True, verbose=False)
+    text = b" ".join(f.read_bytes() for f in H.essays()[:40])
+    toks = vocab.tokenize(text)[: spec["tokens"]]
+    del vocab
+    if spec["mode"] == "plain":
+        llm = ek.llama_cpp.Llama(path, n_ctx=spec["cells"], n_batch=512, verbose=False, seed=0)
+    else:
+        llm = ek.EntroKVLlama(path, n_ctx=spec["cells"], n_batch=512, budget=spec["budget"], verbose=False, seed=0,
+                              logical_ctx=spec["tokens"] + 256)
+    t0 = time.perf_counter()
+    llm.eval(toks)                       # EntroKVLlama evicts to the budget after the prompt
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    n = len(H.greedy(llm, H.logits(llm), 32, stop=set()))
+    decode = time.perf_counter() - t0
+    g = ek.geometry(llm)
+    out = {**spec, "prefill_s": prefill, "prefill_tok_s": len(toks) / prefill, "decode_tok_s": n / decode,
+           "kv_bytes_allocated": g.kv_size * g.bytes_per_cell, "kv_cells": g.kv_size,
+           "kv_bytes_held": g.n_used * g.bytes_per_cell,
+           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if spec["mode"] == "entrokv":
+        rep = llm.kv_report()
+        out.update(evictions=rep["evictions"], kept_tokens=rep["kept_tokens"], kv_bytes_full=rep["kv_bytes_full"],
+                   kv_bytes_kept=rep["kv_bytes_kept"])
+    llm.close()
+    return out
+
+
+def measure(spec: dict) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True,
+                       cwd=Path(__file__).parent)
+    if r.returncode != 0:
+        raise RuntimeError(f"speed measurement {spec} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(model: str, lengths, long: int, long_cells: int, long_budget: int, log=print) -> list[dict]:
+    rows = []
+    for n in lengths:
+        cells = -(-(n + 64) // 256) * 256
+        for mode in ("plain", "entrokv"):
+            rows.append(measure({"part": "prefill", "model": model, "mode": mode, "tokens": n, "cells": cells,
+                                 "budget": 0.2}))
+        p, e = rows[-2], rows[-1]
+        log(f"speed {model} {n}: prefill {p['prefill_s']:.1f} s plain, {e['prefill_s']:.1f} s with eviction; "
+            f"decode {p['decode_tok_s']:.1f} vs {e['decode_tok_s']:.1f} tok/s")
+    rows.append(measure({"part": "long", "model": model, "mode": "entrokv", "tokens": long, "cells": long_cells,
+                         "budget": long_budget}))
+    rows.append(measure({"part": "long", "model": model, "mode": "plain", "tokens": long,
+                         "cells": -(-(long + 64) // 256) * 256, "budget": None}))
+    log(f"speed {model} long {long}: done")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(_one(json.loads(args.one))))
+        return 0
+    g = QUICK if args.quick else FULL
+    rows = run(args.model, g["lengths"], g["long"], g["long_cells"], g["long_budget"])
+    for r in rows:
+        print(f"{r['part']:7} {r['mode']:7} {r['tokens']:6d} tokens, {r['kv_cells']:6d} cells: prefill "
+              f"{r['prefill_tok_s']:6.0f} tok/s, decode {r['decode_tok_s']:5.1f} tok/s, KV allocated "
+              f"{r['kv_bytes_allocated'] / 2**20:6.1f} MiB, held {r['kv_bytes_held'] / 2**20:6.1f} MiB, "
+              f"peak RSS {r['peak_rss_mib']:.0f} MiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())
