@@ -131,7 +131,6 @@ class OpenVINOSystem:
         return start, recent, mx
 
     def run(self, case: dict) -> dict:
-        og = self.og
         budget, placement = float(case["budget"]), case["placement"]
         if self.fatal:
             return {"skipped": self.fatal}

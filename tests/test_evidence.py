@@ -1,0 +1,77 @@
+"""The evidence benchmarks' quick mode, end to end: every part runs on the real models,
+writes its results with their provenance, and the report has every table.
+
+(Peers run only where benchmarks/peers_env.sh made .venv-peers; otherwise the report must
+say they were skipped and why.)
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PARTS = ["uor", "masquerade", "niah", "fidelity", "speed", "peers"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory, smollm2, gemma3):
+    out = tmp_path_factory.mktemp("evidence")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "evidence.py"), "--quick", "--out", str(out),
+                        "--report", str(out / "REPORT.md")], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_every_part_writes_its_results_with_provenance(quick):
+    for part in PARTS:
+        doc = json.loads((quick / f"{part}.json").read_text())
+        m = doc["meta"]
+        assert m["mode"] == "quick" and m["commit"] and m["machine"]["cores"] >= 1
+        assert all(len(v["sha256"]) == 64 for v in m["models"].values())
+        assert m["seconds"] > 0
+
+
+def test_report_has_every_table(quick):
+    text = (quick / "REPORT.md").read_text()
+    for title in ("## 1. Head-independent union overhead", "## 2. Sink masquerade", "## 3. Needle in a haystack",
+                  "## 4. Fidelity to the full cache", "## 5. Speed and memory", "## 6. Peers"):
+        assert title in text
+    assert "Not run in this report" not in text
+    peers = json.loads((quick / "peers.json").read_text())["data"]
+    if peers["skipped"]:
+        assert "Skipped: no peers environment" in text
+    else:
+        assert any(r["system"].startswith("kvpress") for r in peers["rows"])
+
+
+def test_uor_page_entrokv_is_exactly_one_and_head_independent_is_counted(quick):
+    rows = json.loads((quick / "uor.json").read_text())["data"]
+    assert {r["model"] for r in rows} == {"smollm2-135m", "gemma3-270m"}
+    assert all(r["page_entrokv_uor"] == 1.0 for r in rows)
+    assert all(r["measurements"] > 0 and r["uor_max"] >= r["uor_mean"] >= 1.0 for r in rows)
+    assert max(r["uor_max"] for r in rows) > 1.0          # head-independent does overflow somewhere
+    assert "Page-EntroKV UOR is 1.000 in every cell" in (quick / "REPORT.md").read_text()
+
+
+def test_needle_full_cache_answers_and_every_policy_ran(quick):
+    d = json.loads((quick / "niah.json").read_text())["data"]
+    full = [r for r in d["rows"] if r["policy"] == "full"]
+    assert full and all(r["correct"] for r in full if r["model"] == "smollm2-135m")
+    pols = {r["policy"] for r in d["rows"]}
+    assert pols == {"full", "page-entrokv", "mean-pool", "max-pool", "head-independent", "no-isolation", "streaming"}
+    for r in d["rows"]:
+        if r["policy"] not in ("full", "head-independent"):
+            assert r["policy_uor"] == 1.0      # the exact budget holds in every run
+    assert all((quick / p).exists() for p in d["png"])
+
+
+def test_fidelity_and_speed_measured(quick):
+    f = json.loads((quick / "fidelity.json").read_text())["data"]["rows"]
+    assert {r["kind"] for r in f} == {"qa", "code"}
+    assert all(r["kl_mean"] >= 0 and 0 <= r["agreement"] <= 1 for r in f)
+    s = json.loads((quick / "speed.json").read_text())["data"]
+    long = {r["mode"]: r for r in s if r["part"] == "long"}
+    assert long["entrokv"]["evictions"] >= 1
+    assert long["entrokv"]["kv_bytes_allocated"] < long["plain"]["kv_bytes_allocated"]
