@@ -238,6 +238,23 @@ def peers_section(d, niah_d) -> str:
                       sum(a[2]) / len(a[2]) if a[2] else None, (sum(a[3]) / len(a[3])) if len(a) > 3 and a[3] else None])
     s.append(_table(["system", "placement", "budget", "cases", "accuracy", "kept tokens (mean)",
                      "peak cache tokens (mean)"], table))
+    if niah_d:
+        mine = {(r["target_length"], r["depth"], r["placement"], r["budget"]): r["correct"]
+                for r in niah_d["data"]["rows"] if r["model"] == "smollm2-135m" and r["policy"] == OURS}
+        s.append("\n**Paired: Page-EntroKV against each peer, same case (length, depth, placement, budget), "
+                 "answer right vs wrong.**\n\n")
+        for sysname in sorted({r["system"] for r in rows if not r["system"].endswith("-full")}):
+            w = lo = t = 0
+            for r in rows:
+                if r["system"] != sysname or r.get("skipped") or r["budget"] >= 1.0:
+                    continue
+                mine_ok = mine.get((r["length"], r["depth"], r["placement"], r["budget"]))
+                if mine_ok is None:
+                    continue
+                c = int(mine_ok) - int(bool(r["correct"]))
+                w, lo, t = w + (c > 0), lo + (c < 0), t + (c == 0)
+            if w + lo + t:
+                s.append(f"- vs {sysname}: {_verdict(w, lo, t, 'needle answers')}\n")
     if notes:
         s.append("\nWhat a peer cannot do here:\n" + "".join(f"- {k[0]}, {k[1]}: {v}\n" for k, v in sorted(notes.items())))
     if data.get("gemma3"):

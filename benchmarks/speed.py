@@ -29,6 +29,18 @@ FULL = dict(lengths=[2048, 4096, 8192], long=16384, long_cells=2048, long_budget
 QUICK = dict(lengths=[512], long=2048, long_cells=512, long_budget=256)
 
 
+def _peak_rss_mib() -> float:
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux keeps ru_maxrss across execve,
+    so a child of a big parent would report the parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _one(spec: dict) -> dict:
     """One measurement, in this process."""
     import entrokv_edge as ek
@@ -53,7 +65,7 @@ def _one(spec: dict) -> dict:
     out = {**spec, "prefill_s": prefill, "prefill_tok_s": len(toks) / prefill, "decode_tok_s": n / decode,
            "kv_bytes_allocated": g.kv_size * g.bytes_per_cell, "kv_cells": g.kv_size,
            "kv_bytes_held": g.n_used * g.bytes_per_cell,
-           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+           "peak_rss_mib": _peak_rss_mib()}
     if spec["mode"] == "entrokv":
         rep = llm.kv_report()
         out.update(evictions=rep["evictions"], kept_tokens=rep["kept_tokens"], kv_bytes_full=rep["kv_bytes_full"],
