@@ -281,6 +281,16 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
          "Results: `benchmarks/results/*.json`. Time per part: " +
          ", ".join(f"{k} {v['meta']['seconds'] / 60:.1f} min" for k, v in parts.items() if v) +
          (f"; {total_seconds / 60:.1f} min in all" if total_seconds else "") + ".\n\n"]
+    # what each part covers (parts can be run alone: --parts, --models)
+    cover = []
+    for k, v in parts.items():
+        if v is None:
+            continue
+        rows = v["data"]["rows"] if isinstance(v["data"], dict) and "rows" in v["data"] else v["data"]
+        models = sorted({r.get("model", "smollm2-135m") for r in rows}) if isinstance(rows, list) else []
+        cover.append(f"{k}: {v['meta']['mode']} mode, commit `{v['meta']['commit']}`, {v['meta']['date']}"
+                     + (f", {', '.join(models)}" if models else ""))
+    s.append("Parts: " + "; ".join(cover) + ".\n\n")
     makers = {"uor": uor_section, "masquerade": masquerade_section,
               "niah": lambda d: niah_section(d, Path(os.path.relpath(results, Path(report).parent))),
               "fidelity": fidelity_section, "speed": speed_section,
