@@ -215,5 +215,4 @@ def answer(llm, snap: Snapshot, placement: str, suffix: list[int], n: int) -> st
 
 def load(model: str, n_ctx: int, **kw):
     return ek.llama_cpp.Llama(str(ek.models.model_path(model)), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
-                              verbose=False, seed=0, n_threads=kw.pop("threads", None),
-                              n_threads_batch=kw.pop("threads_batch", None), **kw)
+                              verbose=False, seed=0, **kw)

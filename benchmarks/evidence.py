@@ -10,7 +10,8 @@ peers (OpenVINO GenAI and kvpress on the needle prompts; needs the optional envi
 of benchmarks/peers_env.sh, and is reported as skipped without it). Each part writes
 <out>/<part>.json with the model hashes, the commit, the machine and the settings; the
 report is then generated from those files alone (python benchmarks/report.py). Threads:
-llama.cpp, OpenVINO and torch all get --threads (default: the machine's cores).
+the peers (OpenVINO, torch) get --threads (default: the machine's cores); our llama.cpp
+runs use llama-cpp-python's defaults (batches on every core, single-token decode on half).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def peer_cases(lengths, depths, budgets, llm, quick=False) -> list[dict]:
     return cases
 
 
-def run_peers(out: Path, quick: bool, threads: int, log=print) -> dict:
+def run_peers(quick: bool, threads: int, log=print) -> dict:
     if not PEERS_VENV.exists():
         return {"skipped": "no peers environment (.venv-peers): run bash benchmarks/peers_env.sh", "rows": []}
     grid = niah.QUICK if quick else niah.FULL
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
             data = speed.run("smollm2-135m", s["lengths"], s["long"], s["long_cells"], s["long_budget"], log=log)
         else:
             s = {"threads": args.threads}
-            data = run_peers(out, args.quick, args.threads, log=log)
+            data = run_peers(args.quick, args.threads, log=log)
         doc = {"meta": meta(mode, s, time.perf_counter() - t0), "data": data}
         (out / f"{part}.json").write_text(json.dumps(doc, indent=1))
         log(f"{part}: {doc['meta']['seconds']:.0f} s")

@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 FULL = dict(lengths=[2048, 4096, 8192], long=16384, long_cells=2048, long_budget=1024)
 QUICK = dict(lengths=[512], long=2048, long_cells=512, long_budget=256)
 
@@ -123,5 +121,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    np.seterr(all="ignore")
     sys.exit(main())
