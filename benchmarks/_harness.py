@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,6 +214,15 @@ def answer(llm, snap: Snapshot, placement: str, suffix: list[int], n: int) -> st
     return llm.detokenize(toks).decode("utf-8", errors="replace")
 
 
+def threads() -> int:
+    """Threads for every llama.cpp run of the benchmarks (prompt and single-token decode alike):
+    ENTROKV_BENCH_THREADS, else the machine's cores. evidence.py sets it from --threads, so the
+    peers and our runs get the same number."""
+    return int(os.environ.get("ENTROKV_BENCH_THREADS") or os.cpu_count() or 1)
+
+
 def load(model: str, n_ctx: int, **kw):
+    kw.setdefault("n_threads", threads())
+    kw.setdefault("n_threads_batch", threads())
     return ek.llama_cpp.Llama(str(ek.models.model_path(model)), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
                               verbose=False, seed=0, **kw)

@@ -10,8 +10,9 @@ peers (OpenVINO GenAI and kvpress on the needle prompts; needs the optional envi
 of benchmarks/peers_env.sh, and is reported as skipped without it). Each part writes
 <out>/<part>.json with the model hashes, the commit, the machine and the settings; the
 report is then generated from those files alone (python benchmarks/report.py). Threads:
-the peers (OpenVINO, torch) get --threads (default: the machine's cores); our llama.cpp
-runs use llama-cpp-python's defaults (batches on every core, single-token decode on half).
+every system gets --threads (default: the machine's cores): llama.cpp's n_threads and
+n_threads_batch (through ENTROKV_BENCH_THREADS), OpenVINO's INFERENCE_NUM_THREADS and
+torch.set_num_threads for the peers. The commit is read once, when the run starts.
 """
 from __future__ import annotations
 
@@ -43,18 +44,23 @@ MODELS = ["smollm2-135m", "gemma3-270m"]
 PEERS_VENV = HERE.parent / ".venv-peers" / "bin" / "python"
 
 
-def meta(mode: str, settings: dict, seconds: float) -> dict:
-    reg = ek.models.registry()
+def commit_id() -> str:
+    """The checkout's short commit, '+dirty' when tracked files differ from it."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=HERE).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                     text=True, cwd=HERE).stdout.strip())
     except OSError:
-        commit, dirty = "unknown", False
+        return "unknown"
+    return (commit or "unknown") + ("+dirty" if dirty else "")
+
+
+def meta(mode: str, settings: dict, seconds: float, commit: str) -> dict:
+    reg = ek.models.registry()
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"mode": mode, "commit": commit + ("+dirty" if dirty else ""), "date": time.strftime("%Y-%m-%d %H:%M UTC",
+    return {"mode": mode, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC",
             time.gmtime()), "machine": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "system": platform.platform()}, "models": {m: {"file": reg[m]["file"], "sha256": reg[m]["sha256"]}
             for m in MODELS}, "settings": settings, "seconds": seconds}
@@ -123,7 +129,11 @@ def main(argv=None) -> int:
         ap.error(f"unknown part(s) {bad}; choose from {','.join(PARTS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.threads < 1:
+        ap.error("--threads must be at least 1")
+    os.environ["ENTROKV_BENCH_THREADS"] = str(args.threads)   # our llama.cpp runs, speed's subprocesses too
     mode = "quick" if args.quick else "full"
+    commit = commit_id()
     t_all = time.perf_counter()
 
     def log(msg):
@@ -152,7 +162,8 @@ def main(argv=None) -> int:
         else:
             s = {"threads": args.threads}
             data = run_peers(args.quick, args.threads, log=log)
-        doc = {"meta": meta(mode, s, time.perf_counter() - t0), "data": data}
+        s = {**s, "threads": args.threads}
+        doc = {"meta": meta(mode, s, time.perf_counter() - t0, commit), "data": data}
         (out / f"{part}.json").write_text(json.dumps(doc, indent=1))
         log(f"{part}: {doc['meta']['seconds']:.0f} s")
     report.write(out, Path(args.report), total_seconds=time.perf_counter() - t_all)

@@ -288,8 +288,10 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
             continue
         rows = v["data"]["rows"] if isinstance(v["data"], dict) and "rows" in v["data"] else v["data"]
         models = sorted({r.get("model", "smollm2-135m") for r in rows}) if isinstance(rows, list) else []
+        th = v["meta"]["settings"].get("threads") if isinstance(v["meta"].get("settings"), dict) else None
         cover.append(f"{k}: {v['meta']['mode']} mode, commit `{v['meta']['commit']}`, {v['meta']['date']}"
-                     + (f", {', '.join(models)}" if models else ""))
+                     + (f", {', '.join(models)}" if models else "")
+                     + (f", {th} threads for every system" if th else ", threads: llama-cpp-python's defaults"))
     s.append("Parts: " + "; ".join(cover) + ".\n\n")
     makers = {"uor": uor_section, "masquerade": masquerade_section,
               "niah": lambda d: niah_section(d, Path(os.path.relpath(results, Path(report).parent))),
