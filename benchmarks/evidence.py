@@ -39,7 +39,7 @@ import report  # noqa: E402
 import speed  # noqa: E402
 import uor_replay  # noqa: E402
 
-PARTS = ("uor", "masquerade", "niah", "fidelity", "speed", "peers")
+PARTS = ("speed", "uor", "masquerade", "niah", "fidelity", "peers")   # speed first: its runs are fresh processes
 MODELS = ["smollm2-135m", "gemma3-270m"]
 PEERS_VENV = HERE.parent / ".venv-peers" / "bin" / "python"
 
