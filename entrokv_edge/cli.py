@@ -42,12 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("-m", "--model", required=True, help="a .gguf file, or a registered name (entrokv-models list)")
     common.add_argument("--kv-cells", type=int, help="physical KV cache, in cells (default: the prompt fits)")
     common.add_argument("--budget", type=_budget, default=0.2, help="tokens kept per KV head: a fraction of the prompt or a count")
-    common.add_argument("--page-size", type=int, default=16)
+    common.add_argument("--page-size", type=int, help="tokens per page (default 16)")
     common.add_argument("--window", type=int, default=32, help="observation window (last w prompt tokens)")
     common.add_argument("--sinks", type=int, default=4)
     common.add_argument("--recent", type=int, help="recent tokens always kept (default: the window)")
     common.add_argument("--tau", type=float, default=1.0)
     common.add_argument("--policy", choices=POLICIES, default="page-entrokv")
+    common.add_argument("--pool", type=int, help="entrokv-edge: max-pooling width over key positions")
+    common.add_argument("--consensus", type=float, help="entrokv-edge: share of free pages kept by every buffer")
+    common.add_argument("--entropy-region", choices=("sinks", "evictable"), help="entrokv-edge: keys of the entropy")
     common.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
     common.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
     common.add_argument("--n-gpu-layers", type=int, default=0,
@@ -131,7 +134,8 @@ def _quiet_llama() -> None:
 def _settings(args) -> dict:
     try:
         cfg = EvictionConfig(budget=args.budget, page_size=args.page_size, window=args.window, sinks=args.sinks,
-                             recent=args.recent, tau=args.tau, policy=args.policy)
+                             recent=args.recent, tau=args.tau, policy=args.policy, pool=args.pool,
+                             consensus=args.consensus, entropy_region=args.entropy_region)
     except ValueError as e:
         raise CLIError(str(e).replace("EvictionConfig: ", ""))
     return {"eviction": cfg}
@@ -339,7 +343,8 @@ def cmd_inspect(args) -> int:
         raise CLIError("the budget keeps the whole prompt: nothing was evicted, so there is nothing to inspect")
     res = llm.last_eviction
     m, heads = res.metrics, res.metrics["heads"]
-    rmap = _pages_map(res.positions, len(toks), args.page_size)
+    P = m["page_size"]
+    rmap = _pages_map(res.positions, len(toks), P)
     if args.png:
         try:
             import matplotlib
@@ -355,9 +360,9 @@ def cmd_inspect(args) -> int:
         shade = {"#": 1.0, "+": 0.5, ".": 0.0}
         ax[2].imshow([[shade[c] for c in line] for line in rmap], aspect="auto", cmap="Greys", vmin=0, vmax=1,
                      interpolation="nearest")
-        step = max(1, -(-(-(-len(toks) // args.page_size)) // 96))
+        step = max(1, -(-(-(-len(toks) // P)) // 96))
         ax[2].set(title=f"{args.policy}: kept pages (grey: partly)",
-                  xlabel=f"page group ({step} page(s) of {args.page_size} tokens)", ylabel="layer x KV head")
+                  xlabel=f"page group ({step} page(s) of {P} tokens)", ylabel="layer x KV head")
         fig.tight_layout()
         fig.savefig(args.png, dpi=100)
     if args.json:

@@ -43,6 +43,20 @@ def test_run_json_has_the_fields_scripts_use(smollm2, doc):
     assert 1.0 <= d["uor_mean"] <= d["uor_max"] <= 3.0 and d["policy"] == "page-entrokv"
 
 
+def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc):
+    common = ["run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 1024, "--json",
+              "--max-tokens", 8]
+    runs = {}
+    for extra in (["--policy", "page-entrokv"], ["--policy", "entrokv-edge"],
+                  ["--policy", "entrokv-edge", "--pool", 3, "--consensus", 0.5, "--entropy-region", "sinks"]):
+        rc, out, err = cli(*common, *extra)
+        assert rc == 0, err
+        runs[" ".join(map(str, extra))] = json.loads(out)
+    kept = {d["kept_tokens"] for d in runs.values()}
+    assert len(kept) == 1 and {d["policy"] for d in runs.values()} == {"page-entrokv", "entrokv-edge"}
+    assert all(d["answer"].strip() for d in runs.values())
+
+
 def test_a_prompt_longer_than_the_cache_runs(smollm2, doc):
     rc, out, err = cli("run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 512,
                        "--budget", 256, "--json", "--max-tokens", 4)
@@ -76,7 +90,7 @@ def test_chat_with_save_load_and_stats(smollm2, tmp_path):
 
 @pytest.mark.parametrize("case", ["missing model", "not gguf", "corrupt gguf", "empty prompt", "page size",
                                   "budget below protected", "budget above cache", "binary file", "unknown name",
-                                  "unsupported architecture"])
+                                  "unsupported architecture", "edge option on another policy", "edge pool even"])
 def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     from synth import write_model
     notgguf = tmp_path / "x.gguf"
@@ -95,6 +109,8 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
         "budget above cache": ["-m", smollm2, "-f", doc, "--kv-cells", 512, "--budget", 0.9],
         "binary file": ["-m", smollm2, "-f", binary],
         "unknown name": ["-m", "no-such-model", "-p", "hi"],
+        "edge option on another policy": ["-m", smollm2, "-f", doc, "--pool", 7],
+        "edge pool even": ["-m", smollm2, "-f", doc, "--policy", "entrokv-edge", "--pool", 4],
         "unsupported architecture": ["-m", write_model(tmp_path / "vl.gguf", arch="qwen2vl", n_head=4, n_head_kv=2),
                                      "-p", "hello there, how are you doing today my friend", "--budget", 1.0],
     }[case]

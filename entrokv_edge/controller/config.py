@@ -4,7 +4,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-POLICIES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", "no-isolation", "streaming", "full")
+# the method doc's policy and the baselines it must be compared with
+METHOD_POLICIES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", "no-isolation", "streaming", "full")
+# every policy name accepted: the method's, and our own variant (docs/variants in the README)
+POLICIES = METHOD_POLICIES + ("entrokv-edge",)
+# entrokv-edge's settings where the user leaves them unset (None); page-entrokv = all off
+EDGE_DEFAULTS = {"page_size": 16, "pool": 7, "consensus": 0.25, "entropy_region": "evictable"}
+OFF = {"page_size": 16, "pool": 0, "consensus": 0.0, "entropy_region": "sinks"}
+ENTROPY_REGIONS = ("sinks", "evictable")
 
 
 @dataclass(frozen=True)
@@ -20,20 +27,55 @@ class EvictionConfig:
     tau        : temperature of the entropy weights
     policy     : one of POLICIES
     page_score : "sum" (attention mass of the page) or "max"
+
+    Options of the entrokv-edge policy only (None: its defaults, EDGE_DEFAULTS; the other
+    policies keep them off and refuse other values):
+    pool           : k, width of a 1-D max pooling over key positions of each head's scores
+                     before they are projected onto pages (SnapKV's smoothing; 0 or 1: none)
+    consensus      : share of each buffer's free pages (budget minus protected) kept by every
+                     (layer, group) alike: the pages with the highest mean page score over all
+                     buffers (each buffer's scores normalized to one vote)
+    entropy_region : keys the collision entropy of the head weights is taken over: "sinks"
+                     (all but the sinks, the method) or "evictable" (neither sink nor recent)
+    page_size None: 16 (or entrokv-edge's default).
     """
 
     budget: float | int = 0.2
-    page_size: int = 16
+    page_size: int | None = None
     window: int = 32
     sinks: int = 4
     recent: int | None = None
     tau: float = 1.0
     policy: str = "page-entrokv"
     page_score: str = "sum"
+    pool: int | None = None
+    consensus: float | None = None
+    entropy_region: str | None = None
 
     def __post_init__(self):
         def bad(msg):
             raise ValueError(f"EvictionConfig: {msg}")
+
+        if self.policy not in POLICIES:
+            bad(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        defaults = EDGE_DEFAULTS if self.policy == "entrokv-edge" else OFF
+        for name, v in defaults.items():      # resolve unset options (the dataclass is frozen)
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, v)
+        if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 0:
+            bad(f"pool must be an integer >= 0, got {self.pool!r}")
+        if self.pool > 1 and self.pool % 2 == 0:
+            bad(f"pool must be odd (a window centred on each key), got {self.pool}")
+        if isinstance(self.consensus, bool) or not isinstance(self.consensus, (int, float)) or \
+                not (0.0 <= self.consensus < 1.0):
+            bad(f"consensus must be a share in [0, 1), got {self.consensus!r}")
+        if self.entropy_region not in ENTROPY_REGIONS:
+            bad(f"entropy_region must be one of {', '.join(ENTROPY_REGIONS)}, got {self.entropy_region!r}")
+        if self.policy != "entrokv-edge":
+            on = [f"{k}={getattr(self, k)!r}" for k in ("pool", "consensus", "entropy_region")
+                  if getattr(self, k) != OFF[k] and not (k == "pool" and getattr(self, k) == 1)]
+            if on:
+                bad(f"{', '.join(on)}: these options belong to the entrokv-edge policy, not {self.policy!r}")
 
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
             bad(f"budget must be a token count or a fraction, got {self.budget!r}")
@@ -51,8 +93,6 @@ class EvictionConfig:
             bad(f"recent must be an integer >= window ({self.window}), got {self.recent!r}")
         if not (isinstance(self.tau, (int, float)) and self.tau > 0 and math.isfinite(self.tau)):
             bad(f"tau must be a positive number, got {self.tau!r}")
-        if self.policy not in POLICIES:
-            bad(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.page_score not in ("sum", "max"):
             bad(f"page_score must be 'sum' or 'max', got {self.page_score!r}")
         if isinstance(self.budget, int) and self.policy != "full":

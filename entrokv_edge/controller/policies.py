@@ -44,6 +44,61 @@ def _token_page_max(x: np.ndarray, P: int) -> np.ndarray:
     return page_scores(x, P, "max")
 
 
+def max_pool(s: np.ndarray, k: int, sinks: int = 0) -> np.ndarray:
+    """[..., n]: the maximum of s over the k positions centred on each key (k odd; the
+    window is cut at the ends). The first ``sinks`` keys neither spread into their
+    neighbours nor change: sink isolation stays exact."""
+    if k <= 1:
+        return s
+    s = np.asarray(s, dtype=np.float64)
+    n = s.shape[-1]
+    j = min(sinks, n)
+    src = s.copy()
+    src[..., :j] = 0.0
+    out = src.copy()
+    for d in range(1, k // 2 + 1):
+        if d >= n:
+            break
+        np.maximum(out[..., d:], src[..., :-d], out=out[..., d:])
+        np.maximum(out[..., :-d], src[..., d:], out=out[..., :-d])
+    out[..., :j] = s[..., :j]
+    return out
+
+
+def evictable_collision(s: np.ndarray, sinks: int, recent: int) -> np.ndarray:
+    """c [L, H]: collision <p, p> of each head's distribution over the keys that are
+    neither sinks nor among the last ``recent`` (uniform where a head has no mass there;
+    the prompt must leave at least one such key)."""
+    s = np.asarray(s, dtype=np.float64)
+    n = s.shape[-1]
+    lo, hi = min(sinks, n), max(min(sinks, n), n - recent)
+    if hi <= lo:
+        lo, hi = min(sinks, n), n          # nothing evictable: the method's region
+    x = s[..., lo:hi]
+    mass = x.sum(axis=-1)
+    sq = np.einsum("lhn,lhn->lh", x, x)
+    return np.where(mass > 0, sq / np.where(mass > 0, mass, 1.0) ** 2, 1.0 / max(hi - lo, 1))
+
+
+def consensus_pages(pi: np.ndarray, m: int, protected, available: np.ndarray | None = None) -> list[int]:
+    """The m pages with the highest mean score over every (layer, group) row of pi
+    [L, G, n_pages] (each row normalized over its unprotected pages: one vote per buffer),
+    among pages every row still holds; ties to the lower index."""
+    n_pages = pi.shape[-1]
+    free = np.ones(n_pages, dtype=bool)
+    free[list(protected)] = False
+    if available is not None:
+        free &= np.broadcast_to(available, pi.shape).reshape(-1, n_pages).all(axis=0)
+    m = min(m, int(free.sum()))
+    if m <= 0:
+        return []
+    x = np.where(free, np.asarray(pi, dtype=np.float64), 0.0).reshape(-1, n_pages)
+    tot = x.sum(axis=-1, keepdims=True)
+    vote = (x / np.where(tot > 0, tot, 1.0)).mean(axis=0)
+    order = np.lexsort((np.arange(n_pages), -np.where(free, vote, -np.inf)))
+    return sorted(int(j) for j in order[:m])
+
+
 def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
            available: np.ndarray | None = None, n_keep: int | None = None) -> Selection:
     """Run ``cfg.policy`` on window scores s [L, H, n] of a GQA model with group ratio r.
@@ -65,15 +120,18 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     avail_heads = None if available is None else np.repeat(available, r, axis=1)
     st = head_stats(s, cfg.sinks, P)
     k = min(cfg.sinks, n)
+    # entrokv-edge's pooling: pages are scored from the pooled scores, the weights from the raw ones
+    s_proj = max_pool(s, cfg.pool, cfg.sinks) if cfg.pool > 1 else s
+    st_proj = head_stats(s_proj, cfg.sinks, P) if cfg.pool > 1 else st
 
-    def token_dist(isolated: bool) -> np.ndarray:
-        """[L, H, n] head distributions (only the max page score needs them)."""
+    def token_dist(isolated: bool, x: np.ndarray = s, xs: HeadStats = st) -> np.ndarray:
+        """[L, H, n] head distributions of x (only the max page score needs them)."""
         if not isolated:
-            return s / np.where(st.mass_all > 0, st.mass_all, 1.0)[..., None]
-        p = s / np.where(st.flagged, 1.0, st.mass_iso)[..., None]
+            return x / np.where(xs.mass_all > 0, xs.mass_all, 1.0)[..., None]
+        p = x / np.where(xs.flagged, 1.0, xs.mass_iso)[..., None]
         p[..., :k] = 0.0
-        if st.flagged.any():
-            p[st.flagged] = np.where(np.arange(n) < k, 0.0, 1.0 / max(n - k, 1))
+        if xs.flagged.any():
+            p[xs.flagged] = np.where(np.arange(n) < k, 0.0, 1.0 / max(n - k, 1))
         return p
 
     def heads() -> np.ndarray:
@@ -87,14 +145,20 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         pages = np.broadcast_to(np.arange(n_pages, dtype=np.int32), (L, G, n_pages)).copy()
     elif cfg.policy == "streaming":
         pages = select_pages(np.broadcast_to(np.arange(n_pages, dtype=np.float64), (L, G, n_pages)), N, prot, available)
-    elif cfg.policy in ("page-entrokv", "no-isolation", "mean-pool"):
+    elif cfg.policy in ("page-entrokv", "no-isolation", "mean-pool", "entrokv-edge"):
         isolated = cfg.policy != "no-isolation"
         c = st.c_iso if isolated else st.c_all
+        if cfg.entropy_region == "evictable":
+            c = evictable_collision(s, cfg.sinks, cfg.rho)
         w = np.full((L, H), 1.0 / r) if cfg.policy == "mean-pool" else head_weights(c, r, cfg.tau)
         if mode == "sum":
-            pi = np.einsum("lgrp,lgr->lgp", head_page_dist(st, isolated).reshape(L, G, r, n_pages), w.reshape(L, G, r))
+            pi = np.einsum("lgrp,lgr->lgp", head_page_dist(st_proj, isolated).reshape(L, G, r, n_pages),
+                           w.reshape(L, G, r))
         else:
-            pi = _token_page_max(pool(token_dist(isolated), w, r), P)
+            pi = _token_page_max(pool(token_dist(isolated, s_proj, st_proj), w, r), P)
+        if cfg.consensus > 0:
+            m = int(cfg.consensus * (N - len(prot)))
+            prot = sorted(set(prot) | set(consensus_pages(pi, m, prot, available)))
         pages = select_pages(pi, N, prot, available)
     elif cfg.policy == "max-pool":
         pages = select_pages(page_scores(s.reshape(L, G, r, n_s).max(axis=2), P, mode), N, prot, available)

@@ -22,7 +22,8 @@ from .._loader import ensure_llama_cpp
 
 llama_cpp = ensure_llama_cpp()
 
-_SETTINGS = ("budget", "page_size", "window", "sinks", "recent", "tau", "policy", "page_score")
+_SETTINGS = ("budget", "page_size", "window", "sinks", "recent", "tau", "policy", "page_score", "pool", "consensus",
+             "entropy_region")
 
 
 class EntroKVLlama(llama_cpp.Llama):

@@ -1,0 +1,172 @@
+"""entrokv-edge's options (pool, consensus, entropy_region): their definitions against
+naive references, the constructed cases they exist for, and the invariants every policy
+keeps (exact budget, one set per group, page-entrokv unchanged)."""
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from entrokv_edge import EvictionConfig
+from entrokv_edge.controller import select
+from entrokv_edge.controller.policies import consensus_pages, evictable_collision, max_pool
+
+EDGE_OFF = dict(policy="entrokv-edge", pool=0, consensus=0.0, entropy_region="sinks")
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 80), k=st.sampled_from([0, 1, 3, 5, 7, 9]), sinks=st.integers(0, 6), seed=st.integers(0, 999))
+def test_max_pool_matches_a_naive_window_max(n, k, sinks, seed):
+    s = np.random.default_rng(seed).random((2, 3, n))
+    got = max_pool(s, k, sinks)
+    j = min(sinks, n)
+    want = s.copy()
+    if k > 1:
+        src = s.copy()
+        src[..., :j] = 0.0
+        for i in range(n):
+            want[..., i] = src[..., max(0, i - k // 2): i + k // 2 + 1].max(axis=-1)
+        want[..., :j] = s[..., :j]
+    assert np.array_equal(got, want)
+
+
+@given(n=st.integers(10, 200), sinks=st.integers(0, 8), recent=st.integers(1, 40), seed=st.integers(0, 999))
+def test_evictable_collision_matches_its_definition(n, sinks, recent, seed):
+    s = np.random.default_rng(seed).random((2, 4, n))
+    s[0, 1, sinks:max(sinks, n - recent)] = 0.0            # one head with no evictable mass: uniform
+    got = evictable_collision(s, sinks, recent)
+    lo, hi = min(sinks, n), max(min(sinks, n), n - recent)
+    if hi <= lo:
+        lo, hi = min(sinks, n), n
+    for li in range(2):
+        for h in range(4):
+            x = s[li, h, lo:hi]
+            want = (x @ x) / x.sum() ** 2 if x.sum() > 0 else 1.0 / (hi - lo)
+            assert got[li, h] == pytest.approx(want, rel=1e-12)
+
+
+def test_consensus_pages_are_the_mean_vote_over_buffers():
+    pi = np.array([[[0.0, 5, 1, 4, 0], [0.0, 0, 1, 4, 5]], [[0.0, 5, 0, 4, 1], [0.0, 1, 0, 4, 5]]])
+    # every buffer's scores become one vote; page 3 is second everywhere and first in the mean
+    assert consensus_pages(pi, 1, [0]) == [3]
+    assert consensus_pages(pi, 2, [0]) == [1, 3]            # 1 and 4 tie on votes: the lower index
+    avail = np.ones_like(pi, dtype=bool)
+    avail[1, 0, 3] = False                                  # a page one buffer lost cannot be shared
+    assert consensus_pages(pi, 1, [0], avail) == [1]
+    assert consensus_pages(pi, 9, [0, 4]) == [1, 2, 3]       # no more than the free pages
+
+
+def _straddle_case():
+    """r = 2, pages of 8: a fact in tokens 94..98 straddles pages 11 and 12; the window
+    attends to its first tokens (94, 95), not its tail, and a distractor page 5 holds
+    slightly more mass than page 12 would get from its own tokens."""
+    n, P = 160, 8
+    s = np.full((1, 2, n), 0.05 / n)
+    s[:, :, 94:96] += 0.30
+    s[:, :, 40:48] += 0.02                                  # page 5: diffuse, more than page 12's own
+    s /= s.sum(-1, keepdims=True)
+    return s, dict(budget=5 * P, page_size=P, window=8, sinks=4)   # pages 0, 19 protected: three free
+
+
+def test_pooling_keeps_both_pages_of_a_straddling_fact():
+    s, kw = _straddle_case()
+    plain = select(s, 2, EvictionConfig(**kw)).pages[0, 0].tolist()
+    pooled = select(s, 2, EvictionConfig(**kw, **{**EDGE_OFF, "pool": 7})).pages[0, 0].tolist()
+    assert 11 in plain and 12 not in plain and 5 in plain
+    assert 11 in pooled and 12 in pooled and len(pooled) == len(plain) == 5
+
+
+def test_pooling_does_not_spread_the_sinks():
+    n = 64
+    s = np.full((1, 2, n), 0.01)
+    s[:, :, 0] = 50.0                                        # a sink that would flood its neighbours
+    pooled = max_pool(s, 7, sinks=4)
+    assert (pooled[..., 4:] <= 0.01 + 1e-15).all() and pooled[0, 0, 0] == 50.0
+
+
+def test_consensus_keeps_a_page_every_buffer_ranks_third():
+    L, G, r, n, P = 3, 2, 2, 128, 8
+    rng = np.random.default_rng(0)
+    s = rng.random((L, G * r, n)) * 0.01
+    for l in range(L):
+        for g in range(G):
+            b = l * G + g                                       # each buffer's two own favourites
+            for own, extra in ((1 + b, 0.08), (7 + b, 0.07)):
+                s[l, g * r:(g + 1) * r, own * P:(own + 1) * P] += extra
+    s[:, :, 14 * P:15 * P] += 0.05                              # page 14: everybody's third choice
+    kw = dict(budget=4 * P, page_size=P, window=8, sinks=4)     # pages 0 and 15 protected, 2 free
+    base = select(s, r, EvictionConfig(**kw, **EDGE_OFF)).pages
+    cons = select(s, r, EvictionConfig(**kw, **{**EDGE_OFF, "consensus": 0.5})).pages
+    assert not (base == 14).any()
+    assert (cons == 14).all(axis=(0, 1)).any() and cons.shape == base.shape == (L, G, 4)
+    for l in range(L):                                          # the other free page: the buffer's favourite
+        for g in range(G):
+            assert cons[l, g].tolist() == sorted([0, 1 + l * G + g, 14, 15])
+
+
+def test_evictable_entropy_weights_the_retrieval_head_over_a_recent_focused_one():
+    """Head 0 attends sharply to the recent window (always kept anyway); head 1 to one old
+    token. Over the sinks-isolated keys head 0 looks the most concentrated; over the
+    evictable keys head 1 does, and its page is then kept."""
+    n, P = 256, 16
+    s = np.full((1, 2, n), 1e-4)
+    s[0, 0, n - 2:] += 2.0                                    # head 0: the last 2 tokens
+    s[0, 0, 64:80] += 0.05                                    # ... and a diffuse old page (4)
+    s[0, 1, 170] += 0.3                                       # head 1: the needle (page 10)
+    s[0, 1, n - 16:] += 0.04
+    s /= s.sum(-1, keepdims=True)
+    kw = dict(budget=3 * P, page_size=P, window=16, sinks=4)   # pages 0 and 15 protected: one free
+    method = select(s, 2, EvictionConfig(**kw))
+    edge = select(s, 2, EvictionConfig(**kw, **{**EDGE_OFF, "entropy_region": "evictable"}))
+    assert method.weights[0, 0] > method.weights[0, 1] and 4 in method.pages[0, 0]
+    assert edge.weights[0, 1] > edge.weights[0, 0] and 10 in edge.pages[0, 0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(r=st.sampled_from([1, 2, 3, 4]), P=st.sampled_from([1, 4, 8, 16]), n=st.integers(64, 600),
+       mode=st.sampled_from(["sum", "max"]), seed=st.integers(0, 2**16))
+def test_edge_with_every_option_off_is_page_entrokv(r, P, n, mode, seed):
+    s = np.random.default_rng(seed).dirichlet(np.full(n, 0.3), size=(2, 2 * r))
+    kw = dict(budget=max(int(0.3 * n), (2 + -(-4 // P) + -(-32 // P)) * P), page_size=P, window=32, page_score=mode)
+    a = select(s, r, EvictionConfig(**kw)).pages
+    b = select(s, r, EvictionConfig(**kw, **EDGE_OFF)).pages
+    assert np.array_equal(a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(P=st.sampled_from([1, 4, 8, 16]), n=st.integers(80, 700), pool=st.sampled_from([0, 3, 7, 11]),
+       consensus=st.sampled_from([0.0, 0.25, 0.5, 0.9]), region=st.sampled_from(["sinks", "evictable"]),
+       frac=st.floats(0.15, 0.9), seed=st.integers(0, 2**16))
+def test_edge_keeps_the_exact_budget_and_one_set_per_group(P, n, pool, consensus, region, frac, seed):
+    s = np.random.default_rng(seed).random((3, 6, n))
+    budget = max(int(frac * n), (2 + -(-4 // P) + -(-16 // P)) * P)
+    cfg = EvictionConfig(budget=budget, page_size=P, window=16, policy="entrokv-edge", pool=pool,
+                         consensus=consensus, entropy_region=region)
+    sel = select(s, 3, cfg)
+    N = cfg.budget_pages(n)
+    assert sel.pages.shape == (3, 2, N) and (np.diff(sel.pages, axis=-1) > 0).all()
+    assert set(cfg.protected(n)) <= set(sel.pages[1, 1].tolist())
+    if consensus:        # the shared pages sit in every buffer
+        m = int(consensus * (N - len(cfg.protected(n))))
+        common = set.intersection(*(set(x.tolist()) for x in sel.pages.reshape(-1, N)))
+        assert len(common) >= len(cfg.protected(n)) + m
+
+
+def test_edge_options_are_validated_and_resolved():
+    assert EvictionConfig().pool == 0 and EvictionConfig().entropy_region == "sinks"
+    e = EvictionConfig(policy="entrokv-edge")
+    assert (e.pool, e.consensus, e.entropy_region, e.page_size) == (7, 0.25, "evictable", 16)
+    assert EvictionConfig(**dataclasses.asdict(e)) == e                 # a saved session loads back
+    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
+        EvictionConfig(pool=7)
+    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
+        EvictionConfig(policy="mean-pool", consensus=0.5)
+    with pytest.raises(ValueError, match="odd"):
+        EvictionConfig(policy="entrokv-edge", pool=4)
+    with pytest.raises(ValueError, match="consensus"):
+        EvictionConfig(policy="entrokv-edge", consensus=1.0)
+    with pytest.raises(ValueError, match="entropy_region"):
+        EvictionConfig(policy="entrokv-edge", entropy_region="recent")
+    with pytest.raises(ValueError, match="pool"):
+        EvictionConfig(policy="entrokv-edge", pool=-1)
