@@ -29,7 +29,7 @@ import _harness as H
 QA_QUESTIONS = ["What is the main argument of this essay? Answer in two sentences.",
                 "Which examples does the author use to support his point? Answer briefly."]
 CODE_MODULES = ["textwrap", "shlex", "fractions", "heapq", "bisect", "colorsys", "difflib", "glob"]
-EVICTING = tuple(p for p in ek.POLICIES if p != "full")   # Page-EntroKV first, then the baselines
+EVICTING = tuple(p for p in ek.METHOD_POLICIES if p != "full")   # Page-EntroKV first, then the baselines
 FULL = dict(length=2048, n_qa=3, n_code=3, budgets=[0.1, 0.2, 0.5], tokens=64)
 QUICK = dict(length=1024, n_qa=1, n_code=1, budgets=[0.2], tokens=8)
 

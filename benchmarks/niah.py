@@ -32,7 +32,7 @@ import _harness as H
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco? Don't give information outside the document or repeat your findings"
-EVICTING = tuple(p for p in ek.POLICIES if p != "full")   # Page-EntroKV first, then the baselines
+EVICTING = tuple(p for p in ek.METHOD_POLICIES if p != "full")   # Page-EntroKV first, then the baselines
 FULL = dict(lengths=[1024, 2048, 4096, 8192], depths=[0, 25, 50, 75, 100], budgets=[0.1, 0.2, 0.5])
 QUICK = dict(lengths=[1024], depths=[50], budgets=[0.2])
 

@@ -133,7 +133,7 @@ def run_case(llm, p: H.Prompt, check, configs: dict, budget: float, max_answer: 
         if same < len(ref):   # own answer left the reference: follow the reference from the start
             H.evict_from(llm, snap, cfg)
             _, lp = decode(llm, snap.logits, 0, stop, force=ref)
-        kl = _kl(ref_lp, lp)
+        kl = _kl(ref_lp[: len(ref)], lp[: len(ref)])        # the answer's steps (not the one after it)
         agree = [int(np.argmax(e)) == t for e, t in zip(lp, ref)]
         rows.append({"config": name, "page_size": cfg.page_size, "correct": check(text), "answer": text,
                      "kl_mean": float(np.mean(kl)),

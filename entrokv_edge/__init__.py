@@ -24,12 +24,13 @@ from .bindings import (  # noqa: E402
 )
 
 from .bindings.observe import Observation, WindowScores  # noqa: E402
-from .controller import POLICIES, EvictionConfig, EvictionResult, PageEntroKV  # noqa: E402
+from .controller import METHOD_POLICIES, POLICIES, EvictionConfig, EvictionResult, PageEntroKV  # noqa: E402
 from .runtime import EntroKVLlama  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "METHOD_POLICIES",
     "POLICIES",
     "EntroKVError",
     "EntroKVLlama",

@@ -118,3 +118,5 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     assert rc == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("entrokv-edge: ") and "Traceback" not in err, err
+    want = {"edge option on another policy": "belong to the entrokv-edge policy", "edge pool even": "odd"}.get(case)
+    assert want is None or want in lines[0], lines[0]

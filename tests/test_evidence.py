@@ -75,3 +75,33 @@ def test_fidelity_and_speed_measured(quick):
     long = {r["mode"]: r for r in s if r["part"] == "long"}
     assert long["entrokv"]["evictions"] >= 1
     assert long["entrokv"]["kv_bytes_allocated"] < long["plain"]["kv_bytes_allocated"]
+
+
+@pytest.fixture(scope="module")
+def variants(quick):
+    out = quick / "variants.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "variants.py"), "--quick", "--split", "both",
+                        "--models", "smollm2-135m", "--configs", "page-entrokv", "entrokv-edge", "edge:P8",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--results", str(quick),
+                        "--report", str(quick / "REPORT.md")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_variants_keep_the_budget_and_are_graded_against_the_full_cache(variants, quick):
+    rows = variants["data"]["rows"]
+    cases = {(r["split"], r["length"], r["depth"]) for r in rows}
+    assert {c[0] for c in cases} == {"tune", "heldout"} and len(cases) == 6
+    for c in cases:
+        by = {r["config"]: r for r in rows if (r["split"], r["length"], r["depth"]) == c}
+        assert set(by) == {"full", "page-entrokv", "entrokv-edge", "edge:P8"}
+        assert by["full"]["kl_mean"] == 0.0 and by["full"]["answer"].strip()
+        assert by["entrokv-edge"]["kept_tokens"] == by["page-entrokv"]["kept_tokens"] < by["full"]["kept_tokens"]
+        assert all(r["policy_uor"] == 1.0 and r["kl_mean"] >= 0.0 and 0.0 <= r["agreement"] <= 1.0
+                   for r in by.values())
+    assert any(r["correct"] for r in rows if r["config"] == "full" and r["split"] == "tune")
+    text = (quick / "REPORT.md").read_text()
+    assert "## 7. Beyond the paper: entrokv-edge" in text and "**heldout split**" in text
+    assert "vs page-entrokv: answers" in text and "Issue 7's goal" in text

@@ -16,34 +16,40 @@ EDGE_OFF = dict(policy="entrokv-edge", pool=0, consensus=0.0, entropy_region="si
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 80), k=st.sampled_from([0, 1, 3, 5, 7, 9]), sinks=st.integers(0, 6), seed=st.integers(0, 999))
-def test_max_pool_matches_a_naive_window_max(n, k, sinks, seed):
-    s = np.random.default_rng(seed).random((2, 3, n))
-    got = max_pool(s, k, sinks)
-    j = min(sinks, n)
+@given(n=st.integers(1, 80), k=st.sampled_from([0, 1, 3, 5, 7, 9]), seed=st.integers(0, 999))
+def test_max_pool_matches_a_naive_window_max(n, k, seed):
+    rng = np.random.default_rng(seed)
+    s = rng.random((2, 3, n))
+    fixed = rng.random(n) < 0.2
+    got = max_pool(s, k, fixed)
     want = s.copy()
     if k > 1:
-        src = s.copy()
-        src[..., :j] = 0.0
+        src = np.where(fixed, 0.0, s)
         for i in range(n):
-            want[..., i] = src[..., max(0, i - k // 2): i + k // 2 + 1].max(axis=-1)
-        want[..., :j] = s[..., :j]
+            if not fixed[i]:
+                want[..., i] = src[..., max(0, i - k // 2): i + k // 2 + 1].max(axis=-1)
     assert np.array_equal(got, want)
 
 
-@given(n=st.integers(10, 200), sinks=st.integers(0, 8), recent=st.integers(1, 40), seed=st.integers(0, 999))
-def test_evictable_collision_matches_its_definition(n, sinks, recent, seed):
-    s = np.random.default_rng(seed).random((2, 4, n))
-    s[0, 1, sinks:max(sinks, n - recent)] = 0.0            # one head with no evictable mass: uniform
-    got = evictable_collision(s, sinks, recent)
-    lo, hi = min(sinks, n), max(min(sinks, n), n - recent)
-    if hi <= lo:
-        lo, hi = min(sinks, n), n
-    for li in range(2):
-        for h in range(4):
-            x = s[li, h, lo:hi]
-            want = (x @ x) / x.sum() ** 2 if x.sum() > 0 else 1.0 / (hi - lo)
-            assert got[li, h] == pytest.approx(want, rel=1e-12)
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(40, 300), P=st.sampled_from([1, 4, 8, 16]), sinks=st.integers(0, 8),
+       extra=st.integers(0, 24), seed=st.integers(0, 999))
+def test_evictable_entropy_is_taken_over_the_unprotected_pages(n, P, sinks, extra, seed):
+    s = np.random.default_rng(seed).random((1, 4, n))
+    cfg = EvictionConfig(budget=1.0, page_size=P, window=8, sinks=sinks, recent=8 + extra,
+                         policy="entrokv-edge", pool=0, consensus=0.0)
+    prot = set(cfg.protected(n))
+    region = [i for i in range(n) if i // P not in prot]
+    s[0, 1, region] = 0.0                                   # one head with no mass there: uniform
+    want = []
+    for h in range(4):
+        x = s[0, h, region] if region else s[0, h]
+        want.append((x @ x) / x.sum() ** 2 if x.sum() > 0 else 1.0 / len(x))
+    got = evictable_collision(s, np.isin(np.arange(n) // P, sorted(prot), invert=True))[0]
+    assert got == pytest.approx(want, rel=1e-12)
+    # the weights the selection used come from that collision (tau = 1: c / sum over the group)
+    c = np.array(want)
+    assert np.allclose(select(s, 2, cfg).weights[0], np.concatenate([c[:2] / c[:2].sum(), c[2:] / c[2:].sum()]))
 
 
 def test_consensus_pages_are_the_mean_vote_over_buffers():
@@ -81,8 +87,14 @@ def test_pooling_does_not_spread_the_sinks():
     n = 64
     s = np.full((1, 2, n), 0.01)
     s[:, :, 0] = 50.0                                        # a sink that would flood its neighbours
-    pooled = max_pool(s, 7, sinks=4)
+    fixed = np.arange(n) < 4
+    pooled = max_pool(s, 7, fixed)
     assert (pooled[..., 4:] <= 0.01 + 1e-15).all() and pooled[0, 0, 0] == 50.0
+    s[:, :, n - 8:] = 30.0                                   # nor does the recent window (protected)
+    cfg = EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4, policy="entrokv-edge", pool=7,
+                         consensus=0.0, entropy_region="sinks")
+    plain = select(s, 2, EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4))
+    assert np.array_equal(select(s, 2, cfg).pages, plain.pages)   # flat elsewhere: pooling changes nothing
 
 
 def test_consensus_keeps_a_page_every_buffer_ranks_third():
@@ -170,3 +182,28 @@ def test_edge_options_are_validated_and_resolved():
         EvictionConfig(policy="entrokv-edge", entropy_region="recent")
     with pytest.raises(ValueError, match="pool"):
         EvictionConfig(policy="entrokv-edge", pool=-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(120, 500), P=st.sampled_from([4, 8, 16]), consensus=st.sampled_from([0.25, 0.5, 0.9]),
+       pool=st.sampled_from([0, 7]), seed=st.integers(0, 2**16))
+def test_edge_re_evicts_a_cache_whose_buffers_hold_different_pages(n, P, consensus, pool, seed):
+    """A second eviction: every buffer chooses among the pages it still holds, consensus
+    pages only among those every buffer holds, and each still keeps exactly N."""
+    rng = np.random.default_rng(seed)
+    s = rng.random((2, 6, n))
+    cfg = EvictionConfig(budget=0.3, page_size=P, window=16, policy="entrokv-edge", pool=pool, consensus=consensus)
+    N, prot, n_pages = cfg.budget_pages(n), cfg.protected(n), cfg.n_pages(n)
+    avail = rng.random((2, 2, n_pages)) < 0.6
+    avail[..., prot] = True
+    for row in avail.reshape(-1, n_pages):            # every buffer holds at least N pages
+        missing = np.flatnonzero(~row)
+        row[missing[: max(0, N - int(row.sum()))]] = True
+    sel = select(s, 3, cfg, available=avail)
+    assert sel.pages.shape == (2, 2, N)
+    li, gi, _ = np.indices(sel.pages.shape)
+    assert avail[li, gi, sel.pages].all()             # nothing it no longer holds
+    m = int(consensus * (N - len(prot)) + 1e-9)
+    common = set.intersection(*(set(x.tolist()) for x in sel.pages.reshape(-1, N)))
+    held_by_all = int(avail.reshape(-1, n_pages).all(axis=0).sum()) - len(prot)
+    assert len(common) >= len(prot) + min(m, held_by_all)

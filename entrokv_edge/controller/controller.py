@@ -149,7 +149,8 @@ class PageEntroKV:
             per_layer.append({"il": layer.il, "pages_per_group": int(sel.pages.shape[-1]), "tokens_per_group": K,
                               "k_bytes": K * hk * layer.n_head_kv, "v_bytes": K * hv * layer.n_head_kv})
         total = sum(x["k_bytes"] + x["v_bytes"] for x in per_layer)
-        w_iso = head_weights(st.c_iso, r, cfg.tau)
+        # the entropy weights the policy used (entrokv-edge: over its entropy region), else the method's
+        w_iso = sel.weights if cfg.policy == "entrokv-edge" else head_weights(st.c_iso, r, cfg.tau)
         out = {
             "policy": cfg.policy, "logical_tokens": n, "page_size": cfg.page_size, "window": cfg.window,
             "budget_pages": sel.n_budget, "kept_pages": int(sel.pages.shape[-1]), "kept_tokens": K,
@@ -164,7 +165,8 @@ class PageEntroKV:
                 "weights": w_iso.tolist(),
                 "sink_mass": np.where(st.mass_all > 0, 1.0 - st.mass_iso / np.where(st.mass_all > 0, st.mass_all, 1.0),
                                       0.0).tolist(),
-                "masquerade_ratio": (head_weights(st.c_all, r, cfg.tau) / np.maximum(w_iso, 1e-300)).tolist(),
+                "masquerade_ratio": (head_weights(st.c_all, r, cfg.tau) /
+                                     np.maximum(head_weights(st.c_iso, r, cfg.tau), 1e-300)).tolist(),
                 "all_on_sinks": st.flagged.tolist(),
             },
         }

@@ -7,6 +7,7 @@ which keeps the union of its heads' choices padded to the largest union.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -44,40 +45,39 @@ def _token_page_max(x: np.ndarray, P: int) -> np.ndarray:
     return page_scores(x, P, "max")
 
 
-def max_pool(s: np.ndarray, k: int, sinks: int = 0) -> np.ndarray:
+def max_pool(s: np.ndarray, k: int, fixed: np.ndarray | None = None) -> np.ndarray:
     """[..., n]: the maximum of s over the k positions centred on each key (k odd; the
-    window is cut at the ends). The first ``sinks`` keys neither spread into their
-    neighbours nor change: sink isolation stays exact."""
+    window is cut at the ends). Keys where ``fixed`` [n] (bool) is set (the sinks and the
+    protected pages) neither spread into their neighbours nor change."""
     if k <= 1:
         return s
     s = np.asarray(s, dtype=np.float64)
     n = s.shape[-1]
-    j = min(sinks, n)
     src = s.copy()
-    src[..., :j] = 0.0
+    if fixed is not None:
+        src[..., fixed] = 0.0
     out = src.copy()
     for d in range(1, k // 2 + 1):
         if d >= n:
             break
         np.maximum(out[..., d:], src[..., :-d], out=out[..., d:])
         np.maximum(out[..., :-d], src[..., d:], out=out[..., :-d])
-    out[..., :j] = s[..., :j]
+    if fixed is not None:
+        out[..., fixed] = s[..., fixed]
     return out
 
 
-def evictable_collision(s: np.ndarray, sinks: int, recent: int) -> np.ndarray:
-    """c [L, H]: collision <p, p> of each head's distribution over the keys that are
-    neither sinks nor among the last ``recent`` (uniform where a head has no mass there;
-    the prompt must leave at least one such key)."""
+def evictable_collision(s: np.ndarray, region: np.ndarray) -> np.ndarray:
+    """c [L, H]: collision <p, p> of each head's distribution over the keys in ``region``
+    [n] (bool: the keys of pages that may be evicted); uniform where a head has no mass
+    there. An empty region falls back to every key."""
     s = np.asarray(s, dtype=np.float64)
-    n = s.shape[-1]
-    lo, hi = min(sinks, n), max(min(sinks, n), n - recent)
-    if hi <= lo:
-        lo, hi = min(sinks, n), n          # nothing evictable: the method's region
-    x = s[..., lo:hi]
+    if not region.any():
+        region = np.ones(s.shape[-1], dtype=bool)
+    x = s[..., region]
     mass = x.sum(axis=-1)
     sq = np.einsum("lhn,lhn->lh", x, x)
-    return np.where(mass > 0, sq / np.where(mass > 0, mass, 1.0) ** 2, 1.0 / max(hi - lo, 1))
+    return np.where(mass > 0, sq / np.where(mass > 0, mass, 1.0) ** 2, 1.0 / int(region.sum()))
 
 
 def consensus_pages(pi: np.ndarray, m: int, protected, available: np.ndarray | None = None) -> list[int]:
@@ -121,7 +121,11 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     st = head_stats(s, cfg.sinks, P)
     k = min(cfg.sinks, n)
     # entrokv-edge's pooling: pages are scored from the pooled scores, the weights from the raw ones
-    s_proj = max_pool(s, cfg.pool, cfg.sinks) if cfg.pool > 1 else s
+    fixed = np.zeros(n_s, dtype=bool)                 # keys every buffer keeps: sinks, protected pages
+    fixed[: min(cfg.sinks, n_s)] = True
+    for j in prot:
+        fixed[j * P: (j + 1) * P] = True
+    s_proj = max_pool(s, cfg.pool, fixed) if cfg.pool > 1 else s
     st_proj = head_stats(s_proj, cfg.sinks, P) if cfg.pool > 1 else st
 
     def token_dist(isolated: bool, x: np.ndarray = s, xs: HeadStats = st) -> np.ndarray:
@@ -149,7 +153,7 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         isolated = cfg.policy != "no-isolation"
         c = st.c_iso if isolated else st.c_all
         if cfg.entropy_region == "evictable":
-            c = evictable_collision(s, cfg.sinks, cfg.rho)
+            c = evictable_collision(s, ~fixed)
         w = np.full((L, H), 1.0 / r) if cfg.policy == "mean-pool" else head_weights(c, r, cfg.tau)
         if mode == "sum":
             pi = np.einsum("lgrp,lgr->lgp", head_page_dist(st_proj, isolated).reshape(L, G, r, n_pages),
@@ -157,7 +161,7 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         else:
             pi = _token_page_max(pool(token_dist(isolated, s_proj, st_proj), w, r), P)
         if cfg.consensus > 0:
-            m = int(cfg.consensus * (N - len(prot)))
+            m = math.floor(cfg.consensus * (N - len(prot)) + 1e-9)
             prot = sorted(set(prot) | set(consensus_pages(pi, m, prot, available)))
         pages = select_pages(pi, N, prot, available)
     elif cfg.policy == "max-pool":

@@ -30,7 +30,8 @@ class EntroKVLlama(llama_cpp.Llama):
     """Drop-in ``llama_cpp.Llama`` with Page-EntroKV eviction.
 
     Extra keyword arguments: the EvictionConfig settings (``budget``, ``page_size``,
-    ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``) or
+    ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``, and entrokv-edge's
+    ``pool``, ``consensus``, ``entropy_region``) or
     ``eviction=EvictionConfig(...)``; ``logical_ctx`` (the longest conversation accepted,
     default: the model's training context); ``progress`` (a callable(done, total) called
     during long prefills); ``rpc_servers`` ("host:port" or a list: llama.cpp RPC servers
