@@ -59,7 +59,7 @@ def test_c_one_call_eviction_equals_the_python_controller(synth_models):
     a, b = make_llm(path), make_llm(path)
     sa = observed_prefill(a, toks, 16)
     observed_prefill(b, toks, 16)
-    ek.PageEntroKV(budget=48, page_size=8, window=16, sinks=4).evict(a, sa)
+    ek.PageEntroKV(budget=48, page_size=8, window=16, sinks=4, policy="page-entrokv").evict(a, sa)
     kept = evict_native(b, budget=48, page_size=8, sinks=4, recent=16)
     assert kept == ek.geometry(a).n_used == 48 - 8 + 150 % 8
     assert state_blob(a) == state_blob(b)
@@ -91,7 +91,7 @@ def test_head_metrics_match_the_token_level_definitions(synth_models):
     llm = make_llm(synth_models["llama-r3"])
     toks = np.random.default_rng(7).integers(3, 300, 130)
     s = observed_prefill(llm, toks, 16)
-    m = ek.PageEntroKV(budget=64, page_size=8, window=16).evict(llm, s).metrics["heads"]
+    m = ek.PageEntroKV(budget=64, page_size=8, window=16, policy="page-entrokv").evict(llm, s).metrics["heads"]
     sc = s.scores[:, :, :130]
     c = collision(isolate_sinks(sc, 4)[0])
     np.testing.assert_allclose(m["collision_entropy"], -np.log(c), rtol=1e-9)

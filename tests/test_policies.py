@@ -67,7 +67,7 @@ def test_budget_is_exact_for_every_page_size(P, n, sinks, extra, frac, policy, s
 
 @given(P=st.integers(1, 16), n=st.integers(40, 300), seed=st.integers(0, 1000))
 def test_ties_break_to_lower_positions_deterministically(P, n, seed):
-    cfg = EvictionConfig(budget=max(n // 2, 40), page_size=P, window=8, sinks=2)
+    cfg = EvictionConfig(budget=max(n // 2, 40), page_size=P, window=8, sinks=2, policy="page-entrokv")
     s = np.ones((1, 4, n)) / n
     a, b = select(s, 2, cfg), select(s.copy(), 2, cfg)
     assert np.array_equal(a.pages, b.pages)
@@ -79,7 +79,7 @@ def test_ties_break_to_lower_positions_deterministically(P, n, seed):
 @pytest.mark.parametrize("P", range(1, 65))
 def test_page_entrokv_keeps_one_set_per_group_for_every_page_size(P):
     n = 1000 + P // 2 + 1                                 # never a multiple of P (but for P = 1)
-    cfg = EvictionConfig(budget=0.3, page_size=P, window=32, sinks=4 + P // 3)   # protections may overlap
+    cfg = EvictionConfig(budget=0.3, page_size=P, window=32, sinks=4 + P // 3, policy="page-entrokv")   # protections may overlap
     sel = select(np.random.default_rng(P).random((3, 9, n)), 3, cfg)
     N = min(int(0.3 * n) // P, -(-n // P))
     assert sel.n_budget == N and sel.pages.shape == (3, 3, N)   # UOR = 1.000 exactly, everywhere
@@ -97,7 +97,7 @@ def _needle_case():
     s[0, 0:2, 48:64] += 0.5 / 16          # heads 0, 1: half their mass spread over page 3
     s[0, 2, 165] += 0.9                    # head 2: the needle (page 10)
     s /= s.sum(-1, keepdims=True)
-    return s, EvictionConfig(budget=3 * P, page_size=P, window=16, sinks=4)  # pages 0 and 15 protected: one free pick
+    return s, EvictionConfig(budget=3 * P, page_size=P, window=16, sinks=4, policy="page-entrokv")  # pages 0 and 15 protected: one free pick
 
 
 def test_constructed_needle_survives_page_entrokv_but_not_mean_pooling():
@@ -118,7 +118,7 @@ def test_constructed_sink_head_loses_its_weight_under_isolation():
     ratio = masquerade_ratio(s, 4, 3)
     assert ratio[0, 0] > 5 and w_iso[0, 0] < w_iso[0, 1]
     nis = select(s, 3, EvictionConfig(budget=8 * 4, page_size=4, window=8, policy="no-isolation"))
-    ent = select(s, 3, EvictionConfig(budget=8 * 4, page_size=4, window=8))
+    ent = select(s, 3, EvictionConfig(budget=8 * 4, page_size=4, window=8, policy="page-entrokv"))
     assert 30 in ent.pages[0, 0] and ent.weights[0, 1] > 0.5 > nis.weights[0, 1]
 
 
@@ -139,7 +139,7 @@ def test_python_and_c_selectors_agree(r, P, n, tau, mode, seed):
     s = rng.dirichlet(np.full(n, 0.3), size=(3, H)).astype(np.float32)
     window = min(32, n)
     budget = max(int(0.3 * n), (2 + -(-4 // P) + -(-window // P)) * P)
-    cfg = EvictionConfig(budget=budget, page_size=P, window=window, tau=tau, page_score=mode)
+    cfg = EvictionConfig(budget=budget, page_size=P, window=window, tau=tau, page_score=mode, policy="page-entrokv")
     py = select(s.astype(np.float64), r, cfg).pages
     c = select_pages_native(s, G, budget=budget, page_size=P, sinks=cfg.sinks, recent=cfg.rho, tau=tau,
                             page_max=(mode == "max"))

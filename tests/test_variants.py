@@ -77,7 +77,7 @@ def _straddle_case():
 
 def test_pooling_keeps_both_pages_of_a_straddling_fact():
     s, kw = _straddle_case()
-    plain = select(s, 2, EvictionConfig(**kw)).pages[0, 0].tolist()
+    plain = select(s, 2, EvictionConfig(**kw, policy="page-entrokv")).pages[0, 0].tolist()
     pooled = select(s, 2, EvictionConfig(**kw, **{**EDGE_OFF, "pool": 7})).pages[0, 0].tolist()
     assert 11 in plain and 12 not in plain and 5 in plain
     assert 11 in pooled and 12 in pooled and len(pooled) == len(plain) == 5
@@ -93,7 +93,7 @@ def test_pooling_does_not_spread_the_sinks():
     s[:, :, n - 8:] = 30.0                                   # nor does the recent window (protected)
     cfg = EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4, policy="entrokv-edge", pool=7,
                          consensus=0.0, entropy_region="sinks")
-    plain = select(s, 2, EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4))
+    plain = select(s, 2, EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4, policy="page-entrokv"))
     assert np.array_equal(select(s, 2, cfg).pages, plain.pages)   # flat elsewhere: pooling changes nothing
 
 
@@ -129,7 +129,7 @@ def test_evictable_entropy_weights_the_retrieval_head_over_a_recent_focused_one(
     s[0, 1, n - 16:] += 0.04
     s /= s.sum(-1, keepdims=True)
     kw = dict(budget=3 * P, page_size=P, window=16, sinks=4)   # pages 0 and 15 protected: one free
-    method = select(s, 2, EvictionConfig(**kw))
+    method = select(s, 2, EvictionConfig(**kw, policy="page-entrokv"))
     edge = select(s, 2, EvictionConfig(**kw, **{**EDGE_OFF, "entropy_region": "evictable"}))
     assert method.weights[0, 0] > method.weights[0, 1] and 4 in method.pages[0, 0]
     assert edge.weights[0, 1] > edge.weights[0, 0] and 10 in edge.pages[0, 0]
@@ -141,7 +141,7 @@ def test_evictable_entropy_weights_the_retrieval_head_over_a_recent_focused_one(
 def test_edge_with_every_option_off_is_page_entrokv(r, P, n, mode, seed):
     s = np.random.default_rng(seed).dirichlet(np.full(n, 0.3), size=(2, 2 * r))
     kw = dict(budget=max(int(0.3 * n), (2 + -(-4 // P) + -(-32 // P)) * P), page_size=P, window=32, page_score=mode)
-    a = select(s, r, EvictionConfig(**kw)).pages
+    a = select(s, r, EvictionConfig(**kw, policy="page-entrokv")).pages
     b = select(s, r, EvictionConfig(**kw, **EDGE_OFF)).pages
     assert np.array_equal(a, b)
 
