@@ -44,7 +44,7 @@ import niah  # noqa: E402
 
 # name -> EvictionConfig settings (budget added per run). "edge:<opt>": entrokv-edge with that
 # one option on and the others off; "entrokv-edge": its defaults (EDGE_DEFAULTS).
-EDGE_OFF = dict(policy="entrokv-edge", pool=0, consensus=0.0, entropy_region="sinks")
+EDGE_OFF = dict(policy="entrokv-edge", pool=0, consensus=0.0, entropy_region="sinks", head_pool="entropy")
 CONFIGS = {
     "page-entrokv": dict(policy="page-entrokv"),
     "mean-pool": dict(policy="mean-pool"),
@@ -57,8 +57,13 @@ CONFIGS = {
     "edge:consensus25": dict(EDGE_OFF, consensus=0.25),
     "edge:evictable": dict(EDGE_OFF, entropy_region="evictable"),
     "edge:tau0.5": dict(EDGE_OFF, tau=0.5),
-    "entrokv-edge": dict(policy="entrokv-edge"),
-    "entrokv-edge P8": dict(policy="entrokv-edge", page_size=8),
+    "edge:max": dict(EDGE_OFF, head_pool="max"),
+    "edge:rank": dict(EDGE_OFF, head_pool="rank"),
+    "edge:max+pool7": dict(EDGE_OFF, head_pool="max", pool=7),
+    "edge:rank+pool7": dict(EDGE_OFF, head_pool="rank", pool=7),
+    "edge:a-priori": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable"),
+    "edge:a-priori P8": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable", page_size=8),
+    "entrokv-edge": dict(policy="entrokv-edge"),      # its defaults (EDGE_DEFAULTS), chosen on the tune split
 }
 BASELINES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", "no-isolation", "streaming")
 SPLITS = {
@@ -193,7 +198,8 @@ def main(argv=None) -> int:
                {k: CONFIGS[k] for k in args.configs}, commit=commit)
     out = Path(args.out)
     old = json.loads(out.read_text())["data"]["rows"] if out.exists() else []
-    keep = [r for r in old if (r["model"], r["split"]) not in {(m, s) for m in args.models for s in splits}]
+    redo = {(m, s, c) for m in args.models for s in splits for c in ["full"] + args.configs}
+    keep = [r for r in old if (r["model"], r["split"], r["config"]) not in redo]   # rows carry their commit
     settings = {**g, "splits": {s: SPLITS[s] for s in splits}, "configs": {k: CONFIGS[k] for k in args.configs},
                 "edge_defaults": ek.controller.config.EDGE_DEFAULTS, "threads": H.threads()}
     doc = {"meta": evidence.meta("quick" if args.quick else "full", settings, time.perf_counter() - t0, commit),

@@ -9,9 +9,10 @@ METHOD_POLICIES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", 
 # every policy name accepted: the method's, and our own variant (docs/variants in the README)
 POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # entrokv-edge's settings where the user leaves them unset (None); page-entrokv = all off
-EDGE_DEFAULTS = {"page_size": 16, "pool": 7, "consensus": 0.25, "entropy_region": "evictable"}
-OFF = {"page_size": 16, "pool": 0, "consensus": 0.0, "entropy_region": "sinks"}
+EDGE_DEFAULTS = {"page_size": 16, "pool": 7, "consensus": 0.25, "entropy_region": "evictable", "head_pool": "entropy"}
+OFF = {"page_size": 16, "pool": 0, "consensus": 0.0, "entropy_region": "sinks", "head_pool": "entropy"}
 ENTROPY_REGIONS = ("sinks", "evictable")
+HEAD_POOLS = ("entropy", "max", "rank")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,10 @@ class EvictionConfig:
                      (layer, group) alike: the pages with the highest mean page score over all
                      buffers (each buffer's scores normalized to one vote)
     entropy_region : keys the collision entropy of the head weights is taken over: "sinks"
-                     (all but the sinks, the method) or "evictable" (neither sink nor recent)
+                     (all but the sinks, the method) or "evictable" (outside the protected pages)
+    head_pool      : how a group's heads are pooled: "entropy" (the method's weights), "max"
+                     (the largest share any head gives a page) or "rank" (the best rank any
+                     head gives a page: the head-independent union cut to the budget)
     page_size None: 16 (or entrokv-edge's default).
     """
 
@@ -51,6 +55,7 @@ class EvictionConfig:
     pool: int | None = None
     consensus: float | None = None
     entropy_region: str | None = None
+    head_pool: str | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -69,10 +74,12 @@ class EvictionConfig:
         if isinstance(self.consensus, bool) or not isinstance(self.consensus, (int, float)) or \
                 not (0.0 <= self.consensus < 1.0):
             bad(f"consensus must be a share in [0, 1), got {self.consensus!r}")
+        if self.head_pool not in HEAD_POOLS:
+            bad(f"head_pool must be one of {', '.join(HEAD_POOLS)}, got {self.head_pool!r}")
         if self.entropy_region not in ENTROPY_REGIONS:
             bad(f"entropy_region must be one of {', '.join(ENTROPY_REGIONS)}, got {self.entropy_region!r}")
         if self.policy != "entrokv-edge":
-            on = [f"{k}={getattr(self, k)!r}" for k in ("pool", "consensus", "entropy_region")
+            on = [f"{k}={getattr(self, k)!r}" for k in ("pool", "consensus", "entropy_region", "head_pool")
                   if getattr(self, k) != OFF[k] and not (k == "pool" and getattr(self, k) == 1)]
             if on:
                 bad(f"{', '.join(on)}: these options belong to the entrokv-edge policy, not {self.policy!r}")

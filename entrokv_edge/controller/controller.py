@@ -150,7 +150,8 @@ class PageEntroKV:
                               "k_bytes": K * hk * layer.n_head_kv, "v_bytes": K * hv * layer.n_head_kv})
         total = sum(x["k_bytes"] + x["v_bytes"] for x in per_layer)
         # the entropy weights the policy used (entrokv-edge: over its entropy region), else the method's
-        w_iso = sel.weights if cfg.policy == "entrokv-edge" else head_weights(st.c_iso, r, cfg.tau)
+        w_iso = sel.weights if cfg.policy == "entrokv-edge" and cfg.head_pool == "entropy" else \
+            head_weights(st.c_iso, r, cfg.tau)
         out = {
             "policy": cfg.policy, "logical_tokens": n, "page_size": cfg.page_size, "window": cfg.window,
             "budget_pages": sel.n_budget, "kept_pages": int(sel.pages.shape[-1]), "kept_tokens": K,

@@ -80,6 +80,25 @@ def evictable_collision(s: np.ndarray, region: np.ndarray) -> np.ndarray:
     return np.where(mass > 0, sq / np.where(mass > 0, mass, 1.0) ** 2, 1.0 / int(region.sum()))
 
 
+def group_pool(hd: np.ndarray, how: str, protected=()) -> np.ndarray:
+    """[L, G, n_pages] page scores of each group from its heads' page distributions
+    hd [L, G, r, n_pages]. "max": the largest share any head gives the page. "rank": the
+    best rank any head gives the page among the unprotected ones (every head's first
+    choice, then every head's second, ...: the head-independent union, cut to the budget),
+    ties broken by the max share."""
+    mx = hd.max(axis=2)
+    if how == "max":
+        return mx
+    n_pages = hd.shape[-1]
+    key = hd.astype(np.float64, copy=True)
+    key[..., list(protected)] = -np.inf
+    order = np.argsort(-key, axis=-1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(n_pages), axis=-1)
+    best = rank.min(axis=2).astype(np.float64)
+    return -best + 0.5 * mx / (mx.max(axis=-1, keepdims=True) + 1e-300)
+
+
 def consensus_pages(pi: np.ndarray, m: int, protected, available: np.ndarray | None = None) -> list[int]:
     """The m pages with the highest mean score over every (layer, group) row of pi
     [L, G, n_pages] (each row normalized over its unprotected pages: one vote per buffer),
@@ -155,7 +174,11 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         if cfg.entropy_region == "evictable":
             c = evictable_collision(s, ~fixed)
         w = np.full((L, H), 1.0 / r) if cfg.policy == "mean-pool" else head_weights(c, r, cfg.tau)
-        if mode == "sum":
+        if cfg.head_pool != "entropy":      # entrokv-edge: the group's heads pooled by max or by rank
+            hd = head_page_dist(st_proj, isolated) if mode == "sum" else \
+                _token_page_max(token_dist(isolated, s_proj, st_proj), P)
+            pi = group_pool(hd.reshape(L, G, r, n_pages), cfg.head_pool, prot)
+        elif mode == "sum":
             pi = np.einsum("lgrp,lgr->lgp", head_page_dist(st_proj, isolated).reshape(L, G, r, n_pages),
                            w.reshape(L, G, r))
         else:
