@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from entrokv_edge import EvictionConfig
+from entrokv_edge.controller.config import EDGE_DEFAULTS
 from entrokv_edge.controller import select
-from entrokv_edge.controller.policies import consensus_pages, evictable_collision, max_pool
+from entrokv_edge.controller.policies import consensus_pages, evictable_collision, group_pool, max_pool
 
-EDGE_OFF = dict(policy="entrokv-edge", pool=0, consensus=0.0, entropy_region="sinks")
+EDGE_OFF = dict(policy="entrokv-edge", pool=0, consensus=0.0, entropy_region="sinks", head_pool="entropy")
 
 
 @settings(max_examples=60, deadline=None)
@@ -146,6 +147,47 @@ def test_edge_with_every_option_off_is_page_entrokv(r, P, n, mode, seed):
     assert np.array_equal(a, b)
 
 
+@settings(max_examples=40, deadline=None)
+@given(G=st.integers(1, 3), r=st.integers(1, 4), n_pages=st.integers(3, 30), seed=st.integers(0, 999))
+def test_group_pool_max_and_rank_match_their_definitions(G, r, n_pages, seed):
+    rng = np.random.default_rng(seed)
+    hd = rng.random((2, G, r, n_pages))
+    hd[0, 0, 0, 1] = hd[0, 0, 0, 2]                         # a tie inside one head
+    prot = [0, n_pages - 1]
+    assert np.array_equal(group_pool(hd, "max", prot), hd.max(axis=2))
+    got = group_pool(hd, "rank", prot)
+    for li in range(2):
+        for g in range(G):
+            best = {}
+            for h in range(r):                               # each head's own order, ties to the lower page
+                free = [j for j in range(n_pages) if j not in prot]
+                order = sorted(free, key=lambda j: (-hd[li, g, h, j], j)) + prot
+                for k, j in enumerate(order):
+                    best[j] = min(best.get(j, k), k)
+            ranking = sorted(range(n_pages), key=lambda j: (best[j], -hd[li, g, :, j].max(), j))
+            mine = sorted(range(n_pages), key=lambda j: (-got[li, g, j], j))
+            assert [j for j in mine if j not in prot] == [j for j in ranking if j not in prot]
+
+
+def test_rank_pooling_gives_every_head_its_first_choice():
+    """r = 3 heads, 3 free pages: head 0 wants pages 2 and 3 loudly, heads 1 and 2 one
+    token each (pages 5, 7) over a diffuse background. Mean, max and entropy pooling keep
+    both of head 0's pages; rank pooling keeps every head's first choice."""
+    n, P = 160, 16                                          # 10 pages; 0 and 9 protected
+    s = np.full((1, 3, n), 1e-3)
+    s[0, 0, 2 * P:3 * P] += 0.05
+    s[0, 0, 3 * P:4 * P] += 0.045
+    s[0, 1:, :] += 0.004
+    s[0, 1, 5 * P + 3] += 0.2
+    s[0, 2, 7 * P + 9] += 0.15
+    s /= s.sum(-1, keepdims=True)
+    kw = dict(budget=5 * P, page_size=P, window=16, sinks=4)
+    rank = select(s, 3, EvictionConfig(**kw, **{**EDGE_OFF, "head_pool": "rank"})).pages[0, 0].tolist()
+    assert rank == [0, 2, 5, 7, 9]
+    for other in (dict(EDGE_OFF, head_pool="max"), dict(policy="mean-pool"), dict(policy="page-entrokv")):
+        assert select(s, 3, EvictionConfig(**kw, **other)).pages[0, 0].tolist() == [0, 2, 3, 5, 9]
+
+
 @settings(max_examples=60, deadline=None)
 @given(P=st.sampled_from([1, 4, 8, 16]), n=st.integers(80, 700), pool=st.sampled_from([0, 3, 7, 11]),
        consensus=st.sampled_from([0.0, 0.25, 0.5, 0.9]), region=st.sampled_from(["sinks", "evictable"]),
@@ -154,7 +196,7 @@ def test_edge_keeps_the_exact_budget_and_one_set_per_group(P, n, pool, consensus
     s = np.random.default_rng(seed).random((3, 6, n))
     budget = max(int(frac * n), (2 + -(-4 // P) + -(-16 // P)) * P)
     cfg = EvictionConfig(budget=budget, page_size=P, window=16, policy="entrokv-edge", pool=pool,
-                         consensus=consensus, entropy_region=region)
+                         consensus=consensus, entropy_region=region, head_pool=["entropy", "max", "rank"][seed % 3])
     sel = select(s, 3, cfg)
     N = cfg.budget_pages(n)
     assert sel.pages.shape == (3, 2, N) and (np.diff(sel.pages, axis=-1) > 0).all()
@@ -168,7 +210,8 @@ def test_edge_keeps_the_exact_budget_and_one_set_per_group(P, n, pool, consensus
 def test_edge_options_are_validated_and_resolved():
     assert EvictionConfig().pool == 0 and EvictionConfig().entropy_region == "sinks"
     e = EvictionConfig(policy="entrokv-edge")
-    assert (e.pool, e.consensus, e.entropy_region, e.page_size) == (7, 0.25, "evictable", 16)
+    assert {k: getattr(e, k) for k in EDGE_DEFAULTS} == EDGE_DEFAULTS
+    assert EvictionConfig(policy="entrokv-edge", pool=3).pool == 3
     assert EvictionConfig(**dataclasses.asdict(e)) == e                 # a saved session loads back
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
         EvictionConfig(pool=7)
@@ -182,6 +225,10 @@ def test_edge_options_are_validated_and_resolved():
         EvictionConfig(policy="entrokv-edge", entropy_region="recent")
     with pytest.raises(ValueError, match="pool"):
         EvictionConfig(policy="entrokv-edge", pool=-1)
+    with pytest.raises(ValueError, match="head_pool"):
+        EvictionConfig(policy="entrokv-edge", head_pool="mean")
+    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
+        EvictionConfig(head_pool="rank")
 
 
 @settings(max_examples=60, deadline=None)
