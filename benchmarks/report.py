@@ -289,7 +289,7 @@ def variants_section(d) -> str:
     for split in [sp for sp in ("tune", "heldout") if any(r["split"] == sp for r in rows)]:
         sr = [r for r in rows if r["split"] == split]
         cols = sorted({(r["model"], r["length"]) for r in sr})
-        configs = list(dict.fromkeys(r["config"] for r in sr))
+        configs = list(dict.fromkeys(["full"] + [r["config"] for r in sr]))
         table = []
         for c in configs:
             line = [c]
@@ -302,6 +302,15 @@ def variants_section(d) -> str:
         s.append(_table(["config"] + [f"{m} {n // 1024}k" for m, n in cols] + ["all"], table))
         key = lambda r: (r["model"], r["length"], r["depth"])  # noqa: E731
         by = {(r["config"], key(r)): r for r in sr}
+        if split == "tune" and OURS in configs:
+            ok = {c: sum(r["correct"] for r in sr if r["config"] == c) for c in configs}
+            kl = {c: sum(r["kl_mean"] for r in sr if r["config"] == c) / max(1, sum(r["config"] == c for r in sr))
+                  for c in configs}
+            cands = [c for c in configs if c.startswith("edge:") and ok[c] >= ok[OURS]]
+            if cands:
+                best = min(cands, key=lambda c: kl[c])
+                s.append(f"\nThe rule picks **{best}** (mean KL {kl[best]:.3f}, {ok[best]} answers; page-entrokv "
+                         f"{kl[OURS]:.3f}, {ok[OURS]}): its settings are entrokv-edge's defaults.\n")
         if EDGE in configs:
             s.append(f"\nPaired, {EDGE} against each configuration on the same prompts:\n")
             for c in [c for c in configs if c not in (EDGE, "full")]:

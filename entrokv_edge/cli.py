@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--sinks", type=int, default=4)
     common.add_argument("--recent", type=int, help="recent tokens always kept (default: the window)")
     common.add_argument("--tau", type=float, default=1.0)
-    common.add_argument("--policy", choices=POLICIES, default="page-entrokv")
+    common.add_argument("--policy", choices=POLICIES, default="entrokv-edge",
+                        help="default entrokv-edge (our variant); page-entrokv: the method as published")
     common.add_argument("--pool", type=int, help="entrokv-edge: max-pooling width over key positions")
     common.add_argument("--consensus", type=float, help="entrokv-edge: share of free pages kept by every buffer")
     common.add_argument("--entropy-region", choices=("sinks", "evictable"), help="entrokv-edge: keys of the entropy")

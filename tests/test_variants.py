@@ -38,7 +38,7 @@ def test_max_pool_matches_a_naive_window_max(n, k, seed):
 def test_evictable_entropy_is_taken_over_the_unprotected_pages(n, P, sinks, extra, seed):
     s = np.random.default_rng(seed).random((1, 4, n))
     cfg = EvictionConfig(budget=1.0, page_size=P, window=8, sinks=sinks, recent=8 + extra,
-                         policy="entrokv-edge", pool=0, consensus=0.0)
+                         **{**EDGE_OFF, "entropy_region": "evictable"})
     prot = set(cfg.protected(n))
     region = [i for i in range(n) if i // P not in prot]
     s[0, 1, region] = 0.0                                   # one head with no mass there: uniform
@@ -93,7 +93,7 @@ def test_pooling_does_not_spread_the_sinks():
     assert (pooled[..., 4:] <= 0.01 + 1e-15).all() and pooled[0, 0, 0] == 50.0
     s[:, :, n - 8:] = 30.0                                   # nor does the recent window (protected)
     cfg = EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4, policy="entrokv-edge", pool=7,
-                         consensus=0.0, entropy_region="sinks")
+                         consensus=0.0, entropy_region="sinks", head_pool="entropy")
     plain = select(s, 2, EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4, policy="page-entrokv"))
     assert np.array_equal(select(s, 2, cfg).pages, plain.pages)   # flat elsewhere: pooling changes nothing
 

@@ -50,7 +50,7 @@ class EvictionConfig:
     sinks: int = 4
     recent: int | None = None
     tau: float = 1.0
-    policy: str = "page-entrokv"
+    policy: str = "entrokv-edge"        # won the held-out split (benchmarks/variants.py); the method: "page-entrokv"
     page_score: str = "sum"
     pool: int | None = None
     consensus: float | None = None
