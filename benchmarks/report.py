@@ -172,7 +172,7 @@ def speed_section(d) -> str:
     rows = d["data"]
     mib = 2 ** 20
     s = ["## 5. Speed and memory (SmolLM2-135M-Instruct)\n",
-         "Each row is its own process; peak RSS is that process's. \"entrokv\": EntroKVLlama with the last 32 tokens "
+         "Each row is its own process; peak RSS is that process's. \"entrokv\": EntroKVLlama (page-entrokv) with the last 32 tokens "
          "observed and an eviction to the budget (20%, or the token budget of the long run).\n\n"]
     s.append(_table(["run", "cache", "tokens", "cells", "prefill s", "prefill tok/s", "decode tok/s",
                      "KV allocated MiB", "KV held MiB", "peak RSS MiB"],

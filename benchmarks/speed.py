@@ -52,7 +52,8 @@ def _one(spec: dict) -> dict:
         llm = ek.llama_cpp.Llama(path, n_ctx=spec["cells"], n_batch=512, verbose=False, seed=0,
                                  n_threads=H.threads(), n_threads_batch=H.threads())
     else:
-        llm = ek.EntroKVLlama(path, n_ctx=spec["cells"], n_batch=512, budget=spec["budget"], verbose=False, seed=0,
+        llm = ek.EntroKVLlama(path, n_ctx=spec["cells"], n_batch=512, budget=spec["budget"], policy="page-entrokv",
+                              verbose=False, seed=0,
                               logical_ctx=spec["tokens"] + 256, n_threads=H.threads(), n_threads_batch=H.threads())
     t0 = time.perf_counter()
     llm.eval(toks)                       # EntroKVLlama evicts to the budget after the prompt
