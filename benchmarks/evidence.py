@@ -143,7 +143,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if part == "uor":
             s = dict(essays=2, code=1, tokens=1024) if args.quick else dict(essays=8, code=4, tokens=2048)
-            data = uor_replay.run(args.models, s["essays"], s["code"], s["tokens"], log=log)
+            data = uor_replay.run(args.models + list(uor_replay.SYNTHETIC), s["essays"], s["code"], s["tokens"],
+                                  log=log)
         elif part == "masquerade":
             s = dict(prompts=1, tokens=1024) if args.quick else dict(prompts=4, tokens=2048)
             data = masquerade.run(args.models, s["prompts"], s["tokens"], log=log)

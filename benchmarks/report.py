@@ -56,6 +56,10 @@ def uor_section(d) -> str:
                      "Page-EntroKV UOR"],
                     [[r["model"], r["r"], f"{int(r['budget'] * 100)}%", r["page_size"], r["prompts"], r["measurements"],
                       r["uor_mean"], r["uor_max"], r["d_mean"], r["page_entrokv_uor"]] for r in rows]))
+    if any(r["model"].startswith("synthetic") for r in rows):
+        s.append("\nThe synthetic-r6 / synthetic-r8 rows are random-weight models (tests/synth.py, 4 layers, "
+                 "r = 6 and 8, which no model we ship has): they measure the mechanics (exact budget, how far a "
+                 "union can grow), not quality.\n")
     ok = all(abs(r["page_entrokv_uor"] - 1.0) < 1e-12 for r in rows)
     worst = max(rows, key=lambda r: r["uor_max"]) if rows else None
     s.append(f"\nPage-EntroKV UOR is {'1.000 in every cell' if ok else 'NOT 1.000 in some cell'}. ")

@@ -28,14 +28,28 @@ import _harness as H
 from fidelity import CODE_MODULES
 
 BUDGETS, PAGE_SIZES = [0.02, 0.05, 0.10, 0.20, 0.50], [8, 16, 32]
+# group ratios no shipped model has: random-weight models (tests/synth.py), mechanics only, not quality
+SYNTHETIC = {"synthetic-r6": dict(n_head=12, n_head_kv=2), "synthetic-r8": dict(n_head=16, n_head_kv=2)}
+
+
+def _open(name: str, n_ctx: int, tmp: str):
+    if name not in SYNTHETIC:
+        return H.load(name, n_ctx)
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from synth import write_model
+    path = write_model(Path(tmp) / f"{name}.gguf", n_layer=4, head_dim=32, n_ff=256, **SYNTHETIC[name])
+    return ek.llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, verbose=False, seed=0,
+                              n_threads=H.threads(), n_threads_batch=H.threads())
 
 
 def run(models, n_essays: int, n_code: int, tokens: int, log=print) -> list[dict]:
+    import tempfile
     texts = [f.read_bytes() for f in H.essays()[:n_essays]] + \
         [inspect.getsource(importlib.import_module(m)).encode() for m in CODE_MODULES[:n_code]]
     rows = []
+    tmp = tempfile.TemporaryDirectory()
     for name in models:
-        llm = H.load(name, tokens + 256)
+        llm = _open(name, tokens + 256, tmp.name)
         g = ek.geometry(llm)
         r = ek.llama_cpp.llama_model_n_head(llm.model) // g.layers[0].n_head_kv
         acc = {}
@@ -65,6 +79,7 @@ def run(models, n_essays: int, n_code: int, tokens: int, log=print) -> list[dict
                          "d_mean": float(d.mean()), "page_entrokv_uor": float(max(a["own"]))})
         log(f"uor {name}: {len(texts)} prompts replayed")
         llm.close()
+    tmp.cleanup()
     return rows
 
 

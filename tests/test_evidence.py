@@ -48,7 +48,10 @@ def test_report_has_every_table(quick):
 
 def test_uor_page_entrokv_is_exactly_one_and_head_independent_is_counted(quick):
     rows = json.loads((quick / "uor.json").read_text())["data"]
-    assert {r["model"] for r in rows} == {"smollm2-135m", "gemma3-270m"}
+    assert {r["model"] for r in rows} == {"smollm2-135m", "gemma3-270m", "synthetic-r6", "synthetic-r8"}
+    assert {r["model"]: r["r"] for r in rows if r["model"].startswith("synthetic")} == \
+        {"synthetic-r6": 6, "synthetic-r8": 8}
+    assert all(r["uor_max"] <= r["r"] for r in rows)         # a union holds at most r sets
     assert all(r["page_entrokv_uor"] == 1.0 for r in rows)
     assert all(r["measurements"] > 0 and r["uor_max"] >= r["uor_mean"] >= 1.0 for r in rows)
     assert max(r["uor_max"] for r in rows) > 1.0          # head-independent does overflow somewhere
