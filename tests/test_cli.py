@@ -109,7 +109,7 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
         "budget above cache": ["-m", smollm2, "-f", doc, "--kv-cells", 512, "--budget", 0.9],
         "binary file": ["-m", smollm2, "-f", binary],
         "unknown name": ["-m", "no-such-model", "-p", "hi"],
-        "edge option on another policy": ["-m", smollm2, "-f", doc, "--pool", 7],
+        "edge option on another policy": ["-m", smollm2, "-f", doc, "--policy", "page-entrokv", "--pool", 7],
         "edge pool even": ["-m", smollm2, "-f", doc, "--policy", "entrokv-edge", "--pool", 4],
         "unsupported architecture": ["-m", write_model(tmp_path / "vl.gguf", arch="qwen2vl", n_head=4, n_head_kv=2),
                                      "-p", "hello there, how are you doing today my friend", "--budget", 1.0],
