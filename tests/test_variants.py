@@ -208,7 +208,8 @@ def test_edge_keeps_the_exact_budget_and_one_set_per_group(P, n, pool, consensus
 
 
 def test_edge_options_are_validated_and_resolved():
-    assert EvictionConfig().pool == 0 and EvictionConfig().entropy_region == "sinks"
+    assert EvictionConfig().policy == "entrokv-edge"                     # the default since the held-out split
+    assert EvictionConfig(policy="page-entrokv").pool == 0 and EvictionConfig(policy="mean-pool").head_pool == "entropy"
     e = EvictionConfig(policy="entrokv-edge")
     assert {k: getattr(e, k) for k in EDGE_DEFAULTS} == EDGE_DEFAULTS
     assert EvictionConfig(policy="entrokv-edge", pool=3).pool == 3
