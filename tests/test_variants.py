@@ -215,7 +215,7 @@ def test_edge_options_are_validated_and_resolved():
     assert EvictionConfig(policy="entrokv-edge", pool=3).pool == 3
     assert EvictionConfig(**dataclasses.asdict(e)) == e                 # a saved session loads back
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
-        EvictionConfig(pool=7)
+        EvictionConfig(policy="page-entrokv", pool=7)
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
         EvictionConfig(policy="mean-pool", consensus=0.5)
     with pytest.raises(ValueError, match="odd"):
@@ -229,7 +229,7 @@ def test_edge_options_are_validated_and_resolved():
     with pytest.raises(ValueError, match="head_pool"):
         EvictionConfig(policy="entrokv-edge", head_pool="mean")
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
-        EvictionConfig(head_pool="rank")
+        EvictionConfig(policy="page-entrokv", head_pool="rank")
 
 
 @settings(max_examples=60, deadline=None)
