@@ -170,10 +170,11 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         pages = select_pages(np.broadcast_to(np.arange(n_pages, dtype=np.float64), (L, G, n_pages)), N, prot, available)
     elif cfg.policy in ("page-entrokv", "no-isolation", "mean-pool", "entrokv-edge"):
         isolated = cfg.policy != "no-isolation"
-        c = st.c_iso if isolated else st.c_all
-        if cfg.entropy_region == "evictable":
-            c = evictable_collision(s, ~fixed)
-        w = np.full((L, H), 1.0 / r) if cfg.policy == "mean-pool" else head_weights(c, r, cfg.tau)
+        if cfg.head_pool == "entropy":      # weights only where a weighted sum uses them
+            c = st.c_iso if isolated else st.c_all
+            if cfg.entropy_region == "evictable":
+                c = evictable_collision(s, ~fixed)
+            w = np.full((L, H), 1.0 / r) if cfg.policy == "mean-pool" else head_weights(c, r, cfg.tau)
         if cfg.head_pool != "entropy":      # entrokv-edge: the group's heads pooled by max or by rank
             hd = head_page_dist(st_proj, isolated) if mode == "sum" else \
                 _token_page_max(token_dist(isolated, s_proj, st_proj), P)
