@@ -140,10 +140,11 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     st = head_stats(s, cfg.sinks, P)
     k = min(cfg.sinks, n)
     # entrokv-edge's pooling: pages are scored from the pooled scores, the weights from the raw ones
-    fixed = np.zeros(n_s, dtype=bool)                 # keys every buffer keeps: sinks, protected pages
-    fixed[: min(cfg.sinks, n_s)] = True
-    for j in prot:
-        fixed[j * P: (j + 1) * P] = True
+    fixed = None
+    if cfg.pool > 1 or cfg.entropy_region == "evictable":
+        fixed = np.zeros(n_s, dtype=bool)             # keys every buffer keeps: the protected pages (sinks included)
+        for j in prot:
+            fixed[j * P: (j + 1) * P] = True
     s_proj = max_pool(s, cfg.pool, fixed) if cfg.pool > 1 else s
     st_proj = head_stats(s_proj, cfg.sinks, P) if cfg.pool > 1 else st
 
