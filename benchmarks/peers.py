@@ -2,21 +2,39 @@
 
     .venv-peers/bin/python benchmarks/peers.py --gguf MODEL.gguf --in prompts.jsonl --out results.jsonl \
         [--threads 2] [--systems openvino,kvpress-snapkv,kvpress-streaming,kvpress-expected,openvino-full,kvpress-full]
+        [--kl]
     .venv-peers/bin/python benchmarks/peers.py --check [--gguf MODEL.gguf] [--out results.jsonl]
 
 Standalone: runs in the peers' venv (benchmarks/peers_env.sh) and does not import entrokv_edge.
 
 Input, one JSON object a line:
     {"id": str, "context": str, "question": str, "budget": float, "placement": "inside"|"after",
-     "max_new_tokens": int}
+     "max_new_tokens": int, ["kl": bool], ["context_ids": [int], "question_ids": [int]]}
 budget is the fraction of the context's tokens kept (1.0 = full cache). "inside": the question is
 part of the text that is scored and compressed; "after": the context is compressed first and the
-question comes after it, uncompressed.
+question comes after it, uncompressed. "context_ids"/"question_ids" (kvpress only, both or neither):
+the token ids of kvpress's "context" and "question" parts, given by the caller instead of kvpress's
+own tokenization (pipe.preprocess) of the text, for GGUFs whose tokenizer transformers converts
+wrongly (Gemma 3: a Unigram model instead of SentencePiece BPE).
+
+"kl" (or --kl for every case): the kvpress systems also measure KL(full || compressed) along the
+full cache's answer, as benchmarks/variants.py does for our policies. The reference is greedy
+decoding on kvpress's uncompressed cache (same prompt, same placement), up to max_new_tokens tokens,
+stopping at EOS / end-of-turn (not included); an empty reference is replaced by its first token
+(the stop token), so the first distribution alone is compared. It is computed once per prompt and
+shared by every press. Per press: kvpress's own pipeline call (prefill under the press), then the
+question part (kvpress's template tail) and the reference's tokens are fed teacher-forced in one
+causal forward on the compressed cache, at the positions kvpress's generate_answer uses; log-softmax
+(float64) at each of the reference's steps. kl_mean = mean over the steps of
+sum_v p_full(v) (log p_full(v) - log p_press(v)), nats; agreement = share of steps whose argmax is
+the reference token. OpenVINO GenAI cannot be measured (kl_mean null, kl_note says why).
 
 Output, one JSON object a line per (case, system):
     {"id", "system", "placement", "budget", "answer", "prompt_tokens", "kept_tokens", "kept_note",
      "peak_cache_tokens", "seconds", "threads", "skipped", "note", "versions", ...system extras}
-"seconds" is the generation call alone (prefill + decode), not the model load ("load_seconds").
+    with "kl": also "kl_mean", "agreement", "reference_answer", "kl_steps", "kl_per_step", "kl_note"
+"seconds" is the generation call alone (prefill + decode), not the model load ("load_seconds") nor
+the KL measurement ("kl_seconds"; "reference_seconds" once per prompt).
 Greedy decoding everywhere, the model's own chat template (a single user turn).
 """
 from __future__ import annotations
@@ -67,6 +85,13 @@ class OpenVINOSystem:
     snapkv_window_size prompt tokens, then accumulated over generated tokens (NORM_SUM).
     The eviction config is fixed per pipeline, so one pipeline is compiled per distinct config and
     kept for reuse (a few seconds each)."""
+
+    # Why there is no KL for it (openvino_genai 2026.4's GenerationConfig / GenerationOutput):
+    KL_NOTE = ("not measurable: OpenVINO GenAI returns only the log-probability of each token it generates itself "
+               "(GenerationConfig.logprobs: 'only single top logprob can be returned'; GenerationOutput."
+               "generated_log_probs), never a full next-token distribution, and it cannot teacher-force a given "
+               "answer after eviction (a reference put in the prompt would be prefilled, and scored, before its "
+               "eviction runs)")
 
     def __init__(self, gguf: str, threads: int, evict: bool, snapkv_window: int, start_size: int,
                  recent_size: int):
@@ -233,6 +258,16 @@ def load_hf(gguf: str, threads: int):
     return _HF_CACHE[gguf]
 
 
+_REFS: dict = {}  # the full-cache reference per (model, prompt): shared by every press system
+
+
+def _case_key(gguf: str, case: dict) -> str:
+    import hashlib
+    parts = [gguf, case["placement"], case["context"], case["question"], str(int(case["max_new_tokens"])),
+             json.dumps(case.get("context_ids")), json.dumps(case.get("question_ids"))]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
 class KVPressSystem:
     """kvpress's own pipeline: prefill of the "context" (chat-template head + context [+ question]) under
     the press, which prunes each layer's KV right after that layer runs; then the question (kvpress
@@ -240,6 +275,7 @@ class KVPressSystem:
 
     def __init__(self, gguf: str, threads: int, press: str | None):
         self.pipe, self.load_seconds = load_hf(gguf, threads)
+        self.gguf = gguf
         self.press_name = press
         self.threads = threads
 
@@ -255,21 +291,123 @@ class KVPressSystem:
         params = {k: v for k, v in params.items() if isinstance(v, (int, float, bool, str, type(None)))}
         return press, {"press": cls.__name__, "press_params": params}
 
+    @staticmethod
+    def parts(case: dict) -> tuple[str, str]:
+        """kvpress's "context" and "question" texts for the case's placement."""
+        if case["placement"] == "inside":
+            return case["context"] + QA_SEP + case["question"], ""
+        return case["context"], QA_SEP + case["question"]
+
+    def inputs(self, case: dict) -> dict:
+        """What kvpress's pipe.preprocess gives: {"context_ids": [1, n], "questions_ids": [[1, m]]}, or the
+        caller's token ids (context_ids / question_ids) in the same form."""
+        import torch
+        if ("context_ids" in case) != ("question_ids" in case):
+            raise ValueError("context_ids and question_ids go together")
+        if "context_ids" in case:
+            return {"context_ids": torch.tensor([case["context_ids"]], dtype=torch.long),
+                    "questions_ids": [torch.tensor([case["question_ids"]], dtype=torch.long)]}
+        context, question = self.parts(case)
+        return self.pipe.preprocess(context, questions=[question], answer_prefix="", max_context_length=int(1e10))
+
+    def stop_ids(self) -> set[int]:
+        """End of the reference: the model's EOS ids (what kvpress stops at) and the chat templates'
+        end-of-turn tokens (as benchmarks/_harness.stop_tokens)."""
+        tok, model = self.pipe.tokenizer, self.pipe.model
+        stop = set()
+        for ids in (model.generation_config.eos_token_id, model.config.eos_token_id, tok.eos_token_id):
+            stop |= {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]) if i is not None}
+        for text in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>"):
+            ids = tok.encode(text, add_special_tokens=False)
+            if len(ids) == 1 and ids[0] != tok.unk_token_id:
+                stop.add(int(ids[0]))
+        return stop
+
+    def forced_logits(self, cache, n_ctx: int, q_ids, ref: list[int]):
+        """Logits (float32, [len(ref), vocab]) of the steps of ``ref``: the question part and ref[:-1]
+        in one causal forward on ``cache`` (the prefilled context), at kvpress's positions (from the
+        uncompressed context length on, as generate_answer)."""
+        import torch
+        if q_ids.shape[1] == 0:
+            raise ValueError("kvpress's question part is empty: no first distribution to compare")
+        seq = torch.cat([q_ids, torch.tensor([ref[:-1]], dtype=q_ids.dtype)], dim=1)
+        pos = torch.arange(n_ctx, n_ctx + seq.shape[1]).unsqueeze(0)
+        out = self.pipe.model(input_ids=seq, past_key_values=cache, position_ids=pos, logits_to_keep=len(ref))
+        return out.logits[0, -len(ref):].float().clone()
+
+    def reference(self, case: dict, pre: dict) -> dict:
+        """Greedy decoding without press (kvpress's uncompressed cache), then its own logits along it,
+        teacher-forced as the presses' are. Once per prompt."""
+        import torch
+        from transformers import DynamicCache
+        key = _case_key(self.gguf, case)
+        if key in _REFS:
+            return _REFS[key]
+        model, max_new, stop = self.pipe.model, int(case["max_new_tokens"]), self.stop_ids()
+        ctx_ids, q_ids = pre["context_ids"], pre["questions_ids"][0]
+        n_ctx = int(ctx_ids.shape[1])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            cache = DynamicCache()
+            model.model(input_ids=ctx_ids, past_key_values=cache)      # kvpress's prefill, no press
+            lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+            pos = torch.arange(n_ctx, n_ctx + q_ids.shape[1]).unsqueeze(0)
+            lg = model(input_ids=q_ids, past_key_values=cache, position_ids=pos, logits_to_keep=1).logits[0, -1]
+            ref, first = [], int(lg.argmax())
+            nxt, p = first, n_ctx + q_ids.shape[1]
+            for i in range(max_new):
+                if nxt in stop:
+                    break
+                ref.append(nxt)
+                if i + 1 < max_new:
+                    lg = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache,
+                               position_ids=torch.tensor([[p]])).logits[0, -1]
+                    nxt, p = int(lg.argmax()), p + 1
+            for layer, n in zip(cache.layers, lengths):                 # back to the prefilled context
+                layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+            empty = not ref
+            if empty:            # the full cache stops at once: compare its first distribution only
+                ref = [first]
+            logits = self.forced_logits(cache, n_ctx, q_ids, ref)
+        text = self.pipe.tokenizer.decode(ref if not empty else [], skip_special_tokens=True)
+        _REFS[key] = {"tokens": ref, "logits": logits, "answer": text, "empty": empty,
+                      "seconds": time.perf_counter() - t0}
+        return _REFS[key]
+
+    def kl(self, ref: dict, cache, n_ctx: int, q_ids) -> dict:
+        import torch
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            own = self.forced_logits(cache, n_ctx, q_ids, ref["tokens"])
+            lp_full = torch.log_softmax(ref["logits"].double(), dim=-1)
+            lp = torch.log_softmax(own.double(), dim=-1)
+            kl = (lp_full.exp() * (lp_full - lp)).sum(-1).clamp_min(0.0)   # clamp: float64 round-off only
+            agree = (lp.argmax(-1) == torch.tensor(ref["tokens"])).double()
+        per = [float(x) for x in kl]
+        return {"kl_mean": float(sum(per) / len(per)), "agreement": float(agree.mean()),
+                "reference_answer": ref["answer"], "kl_steps": len(per), "kl_per_step": per,
+                "reference_empty": ref["empty"], "reference_seconds": round(ref["seconds"], 3),
+                "kl_seconds": round(time.perf_counter() - t0, 3),
+                "kl_note": ("KL(full || press) in nats along kvpress's uncompressed greedy answer, teacher-forced "
+                            "on the compressed cache; mean over the answer's steps" +
+                            (" (the full cache stops at once: its first distribution only)" if ref["empty"] else ""))}
+
     def run(self, case: dict) -> dict:
         import torch
         from transformers import DynamicCache
         budget, placement = float(case["budget"]), case["placement"]
-        if placement == "inside":
-            context, question = case["context"] + QA_SEP + case["question"], ""
-        else:
-            context, question = case["context"], QA_SEP + case["question"]
+        context, question = self.parts(case)
         pipe = self.pipe
-        pre = pipe.preprocess(context, questions=[question], answer_prefix="", max_context_length=int(1e10))
+        pre = self.inputs(case)
         n_ctx = int(pre["context_ids"].shape[1])
         n_q = int(pre["questions_ids"][0].shape[1])
         press, extra = self.make_press(budget)
         extra["kvpress_context_tokens"] = n_ctx
-        extra["context_tokens"] = len(pipe.tokenizer.encode(case["context"], add_special_tokens=False))
+        if "context_ids" in case:
+            extra["token_ids"] = "given by the caller (context_ids / question_ids), not kvpress's tokenization"
+        else:
+            extra["context_tokens"] = len(pipe.tokenizer.encode(case["context"], add_special_tokens=False))
+        ref = self.reference(case, pre) if case.get("kl") else None
         cache = DynamicCache()
         seen = []
         orig = pipe._remove_answer_from_cache
@@ -282,13 +420,19 @@ class KVPressSystem:
         try:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = pipe(context, question=question, press=press, max_new_tokens=int(case["max_new_tokens"]),
-                           cache=cache)
+                if "context_ids" in case:   # kvpress's pipeline minus its preprocess (tokenization)
+                    out = pipe.postprocess(pipe.forward(pre, press=press, max_new_tokens=int(case["max_new_tokens"]),
+                                                        cache=cache), single_question=True)
+                else:
+                    out = pipe(context, question=question, press=press, max_new_tokens=int(case["max_new_tokens"]),
+                               cache=cache)
             secs = time.perf_counter() - t0
         finally:
             del pipe._remove_answer_from_cache
         kept = int(cache.get_seq_length())  # the compressed context; kvpress removed question + answer
         peak = max([n_ctx] + seen)
+        if ref is not None:  # the cache holds the compressed context, as kvpress left it after answering
+            extra.update(self.kl(ref, cache, n_ctx, pre["questions_ids"][0]))
         if placement == "inside":
             kept_note = ("KV length after prefill compression (cache.get_seq_length()); the compressed text is "
                          "template head + context + question; only the template tail and the answer come after")
@@ -351,6 +495,9 @@ def run_all(cases: list[dict], systems: list[str], args, out_path: str | None) -
                             traceback.print_exc()
                     if isinstance(row.get("seconds"), float):
                         row["seconds"] = round(row["seconds"], 3)
+                if case.get("kl") and "kl_mean" not in row:   # not measured: say why, never a number
+                    row.update(kl_mean=None, agreement=None, reference_answer=None, kl_steps=None,
+                               kl_note=getattr(sysobj, "KL_NOTE", None) or f"not measured: {row['skipped']}")
                 rows.append(row)
                 if fh:
                     fh.write(json.dumps(row) + "\n")
@@ -358,7 +505,9 @@ def run_all(cases: list[dict], systems: list[str], args, out_path: str | None) -
                 print(f"[peers] {name:18s} {case['id']:>14s} {case['placement']:6s} b={row['budget']:<4} "
                       + (f"skipped: {row['skipped']}" if row["skipped"] else
                          f"kept={row['kept_tokens']} peak={row['peak_cache_tokens']} {row['seconds']}s "
-                         f"{row['answer'][:40]!r}"), file=sys.stderr, flush=True)
+                         + (f"kl={row['kl_mean']:.4g} agree={row['agreement']:.2f} "
+                            if row.get("kl_mean") is not None else "")
+                         + f"{row['answer'][:40]!r}"), file=sys.stderr, flush=True)
             del sysobj
     finally:
         if fh:
@@ -407,6 +556,8 @@ def main() -> int:
     ap.add_argument("--ov-snapkv-window", type=int, default=8, help="OpenVINO snapkv_window_size (its default: 8)")
     ap.add_argument("--ov-start", type=int, default=32, help="OpenVINO start_size wish (rounded to blocks)")
     ap.add_argument("--ov-recent", type=int, default=128, help="OpenVINO recent_size wish (shrunk for small caches)")
+    ap.add_argument("--kl", action="store_true", help="every case as if it had \"kl\": true (kvpress: KL against "
+                    "the full cache along its answer)")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures on stderr")
     args = ap.parse_args()
     if not args.gguf or not os.path.exists(args.gguf):
@@ -428,6 +579,9 @@ def main() -> int:
             missing = {"id", "context", "question", "budget", "placement", "max_new_tokens"} - set(c)
             if missing:
                 ap.error(f"case {c.get('id')!r} lacks {sorted(missing)}")
+    if args.kl:
+        for c in cases:
+            c["kl"] = True
     rows = run_all(cases, systems, args, args.out)
     if args.check:
         print_table(rows)
