@@ -173,6 +173,29 @@ def prefill(llm, p: Prompt, window: int = 32) -> dict[str, Snapshot]:
     return snaps
 
 
+def prefill_cached(llm, p: Prompt, cache_dir: str | os.PathLike | None, window: int = 32) -> dict[str, Snapshot]:
+    """``prefill``, its snapshots kept in ``cache_dir`` (None: no cache) under a key of the
+    model file, the prompt's tokens and the window: a rerun on the same prompts (another set
+    of configurations) skips the prefill. The snapshots are what prefill returns, bit for bit."""
+    if cache_dir is None:
+        return prefill(llm, p, window)
+    import hashlib
+    import pickle
+    h = hashlib.sha256(f"{Path(llm.model_path).name}|{window}|{len(p.prefix)}|".encode())
+    h.update(np.asarray(p.tokens, dtype=np.int64).tobytes())
+    path = Path(cache_dir) / f"{h.hexdigest()[:24]}.pkl"
+    if path.exists():
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    snaps = prefill(llm, p, window)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(snaps, f, protocol=pickle.HIGHEST_PROTOCOL)
+    tmp.replace(path)
+    return snaps
+
+
 def evict_from(llm, snap: Snapshot, cfg: ek.EvictionConfig, needles=None) -> dict:
     """Restore ``snap`` and evict with ``cfg`` from its scores; returns the metrics."""
     restore(llm, snap)

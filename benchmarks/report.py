@@ -273,48 +273,60 @@ def peers_section(d, niah_d) -> str:
 EDGE = "entrokv-edge"
 
 
-def variants_section(d) -> str:
-    """Section 7 from results/variants.json (benchmarks/variants.py)."""
-    rows = d["data"]["rows"]
+NEEDLE_KINDS = {"sandwich": "needlehaystack needle", "magic": "magic-number needles", "passkey": "pass-key needles"}
+ROUND1 = "edge:rank+pool7"       # round 1's defaults by name (benchmarks/variants.py)
+
+
+def _mean_kl(x) -> float:
+    return sum(r["kl_mean"] for r in x) / max(len(x), 1)
+
+
+def variants_section(d, peers=None) -> str:
+    """Section 7 from results/variants.json (benchmarks/variants.py) and, where present,
+    results/variants_peers.json (benchmarks/variants_peers.py: the kvpress presses' answers and KL
+    on the same prompts, measured in their own runtime against their own full cache)."""
+    rows = list(d["data"]["rows"])
     st = d["meta"]["settings"]
-    s = ["## 7. Beyond the paper: entrokv-edge\n",
+    peer_rows = [dict(r) for r in (peers or {}).get("data", {}).get("rows", [])
+                 if r.get("budget", 0.2) == st.get("budget", 0.2) and r.get("kl_mean") is not None]
+    peer_names = list(dict.fromkeys(r["config"] for r in peer_rows))
+    splits = [sp for sp in st.get("split_order", ("tune", "heldout", "heldout2")) if any(r["split"] == sp for r in rows)]
+    s = ["## 7. Beyond the paper: entrokv-edge\n\n",
          "`benchmarks/variants.py`: needle prompts at 20% with the question inside the observed window; per "
          "prompt the full cache's greedy answer is the reference, each configuration's own greedy answer is graded "
          "and its next-token distributions along the reference give KL(full || evicted) (nats, mean over the "
-         "answer). Configurations: the method's policies, entrokv-edge with one option at a time (`edge:...`, "
-         "the others off) and with its defaults "
+         "answer). Configurations: the method's policies, entrokv-edge with options set one way or another "
+         "(`edge:...`, the others off) and with its defaults "
          f"({', '.join(f'{k}={v}' for k, v in st.get('edge_defaults', {}).items())}). Splits: "
-         + "; ".join(f"**{k}**: {'needlehaystack needle' if v['needle'] == 'sandwich' else 'magic-number needles'}, "
-                     f"essays from #{v['offset']}, depths {v['depths']}" for k, v in st.get("splits", {}).items())
-         + ". The rule (benchmarks/variants.py): entrokv-edge's defaults are chosen on the tune split alone; "
-         "the held-out split then decides whether it becomes the default policy. Commits of the rows: "
+         + "; ".join(f"**{k}**: {NEEDLE_KINDS.get(v['needle'], v['needle'])}, essays from #{v['offset']}, "
+                     f"depths {v['depths']}" for k, v in st.get("all_splits", st.get("splits", {})).items())
+         + ". The rules (benchmarks/variants.py): round 1 chose the defaults on tune and let heldout decide the "
+         "default policy; heldout was read afterwards, so round 2 chose on tune + heldout and heldout2, run once "
+         "after that choice, decides. Commits of the rows: "
          + "; ".join(f"{sp} `{', '.join(sorted({r.get('commit') or '?' for r in rows if r['split'] == sp}))}`"
-                     for sp in ("tune", "heldout") if any(r["split"] == sp for r in rows)) + ".\n\n"]
-    for split in [sp for sp in ("tune", "heldout") if any(r["split"] == sp for r in rows)]:
+                     for sp in splits) + ".\n\n"]
+    if peer_rows:
+        s.append("Peers (`benchmarks/variants_peers.py`, kvpress 0.5.5 on the GGUF dequantized by transformers, "
+                 "budget 20%, question inside): their KL is taken against their own full cache's greedy answer in "
+                 "their own runtime, the same measure as ours. OpenVINO GenAI has no KL: "
+                 + (peers["meta"]["settings"].get("openvino", "not measurable") if peers else "") + "\n\n")
+    key = lambda r: (r["model"], r["length"], r["depth"])  # noqa: E731
+    for split in splits:
         sr = [r for r in rows if r["split"] == split]
+        sp_peers = [r for r in peer_rows if r["split"] == split]
         cols = sorted({(r["model"], r["length"]) for r in sr})
-        configs = list(dict.fromkeys(["full"] + [r["config"] for r in sr]))
+        configs = list(dict.fromkeys(["full"] + [r["config"] for r in sr] + [r["config"] for r in sp_peers]))
+        allr = sr + sp_peers
         table = []
         for c in configs:
             line = [c]
             for m, n in cols + [("all", None)]:
-                x = [r for r in sr if r["config"] == c and (m == "all" or (r["model"], r["length"]) == (m, n))]
-                ok = sum(r["correct"] for r in x)
-                line.append(f"{ok}/{len(x)} · {sum(r['kl_mean'] for r in x) / max(len(x), 1):.3f}" if x else "")
+                x = [r for r in allr if r["config"] == c and (m == "all" or (r["model"], r["length"]) == (m, n))]
+                line.append(f"{sum(bool(r['correct']) for r in x)}/{len(x)} · {_mean_kl(x):.3f}" if x else "")
             table.append(line)
         s.append(f"**{split} split** (needle answers right / prompts · mean KL over the answer):\n\n")
         s.append(_table(["config"] + [f"{m} {n // 1024}k" for m, n in cols] + ["all"], table))
-        key = lambda r: (r["model"], r["length"], r["depth"])  # noqa: E731
-        by = {(r["config"], key(r)): r for r in sr}
-        if split == "tune" and OURS in configs:
-            ok = {c: sum(r["correct"] for r in sr if r["config"] == c) for c in configs}
-            kl = {c: sum(r["kl_mean"] for r in sr if r["config"] == c) / max(1, sum(r["config"] == c for r in sr))
-                  for c in configs}
-            cands = [c for c in configs if c.startswith("edge:") and ok[c] >= ok[OURS]]
-            if cands:
-                best = min(cands, key=lambda c: kl[c])
-                s.append(f"\nThe rule picks **{best}** (mean KL {kl[best]:.3f}, {ok[best]} answers; page-entrokv "
-                         f"{kl[OURS]:.3f}, {ok[OURS]}): its settings are entrokv-edge's defaults.\n")
+        by = {(r["config"], key(r)): r for r in allr}
         if EDGE in configs:
             s.append(f"\nPaired, {EDGE} against each configuration on the same prompts:\n")
             for c in [c for c in configs if c not in (EDGE, "full")]:
@@ -327,16 +339,17 @@ def variants_section(d) -> str:
                          f"KL {_verdict(wk, lk, len(pairs) - wk - lk, 'lower KL wins')}\n")
             goal = []
             for m, n in cols:
-                x = {c: [r for r in sr if r["config"] == c and (r["model"], r["length"]) == (m, n)] for c in configs}
+                x = {c: [r for r in allr if r["config"] == c and (r["model"], r["length"]) == (m, n)] for c in configs}
                 if not x.get(EDGE) or not x.get("full"):
                     continue
                 full_ok = sum(r["correct"] for r in x["full"])
                 edge_ok = sum(r["correct"] for r in x[EDGE])
-                kl = {c: sum(r["kl_mean"] for r in v) / len(v) for c, v in x.items() if v}
-                worse = [c for c in BASELINES + (OURS,) if c in kl and kl[c] <= kl[EDGE]]
+                kl = {c: _mean_kl(v) for c, v in x.items() if v}
+                others = [c for c in BASELINES + (OURS,) + tuple(peer_names) if c in kl]
+                worse = [c for c in others if kl[c] <= kl[EDGE]]
                 goal.append(f"{m} {n // 1024}k: {edge_ok} of the full cache's {full_ok} "
                             f"({'>= 90%' if edge_ok >= 0.9 * full_ok else '< 90%'}), KL {kl[EDGE]:.3f} "
-                            + ("lower than every baseline" if not worse else f"not lower than {', '.join(worse)}"))
+                            + (f"lower than {', '.join(others)}" if not worse else f"not lower than {', '.join(worse)}"))
             s.append("\nIssue 7's goal, per model and length: " + "; ".join(goal) + ".\n")
             uors = [r["policy_uor"] for r in sr if r["config"].startswith(("edge", EDGE))]
             kept = {(r["config"], key(r)): r["kept_tokens"] for r in sr}
@@ -346,14 +359,41 @@ def variants_section(d) -> str:
             s.append(f"Every entrokv-edge configuration keeps one set per group: UOR {max(uors):.3f} at most"
                      + (", and the same tokens per buffer as Page-EntroKV at the same page size" if same else "")
                      + ".\n\n")
-    s.append("Peers: their KL is not measured (the peers' harness returns answers only), so the peer half of "
-             "issue 7's KL goal is judged on section 6's answers.\n")
+    # the rules' outcomes, recomputed from the rows
+    ok = lambda c, sps: sum(r["correct"] for r in rows if r["config"] == c and r["split"] in sps)  # noqa: E731
+    kl = lambda c, sps: _mean_kl([r for r in rows if r["config"] == c and r["split"] in sps])  # noqa: E731
+    has = lambda c, sps: all(any(r["config"] == c and r["split"] == sp for r in rows) for sp in sps)  # noqa: E731
+    edge_cfgs = list(dict.fromkeys(r["config"] for r in rows if r["config"].startswith("edge:")))
+    if has(OURS, ["tune"]):
+        c1 = [c for c in edge_cfgs if has(c, ["tune"]) and ok(c, ["tune"]) >= ok(OURS, ["tune"])]
+        if c1:
+            b = min(c1, key=lambda c: kl(c, ["tune"]))
+            s.append(f"Round 1's rule on the tune rows: **{b}** (mean KL {kl(b, ['tune']):.3f}, {ok(b, ['tune'])} "
+                     f"answers; page-entrokv {kl(OURS, ['tune']):.3f}, {ok(OURS, ['tune'])}).\n")
+    two = ["tune", "heldout"]
+    c2 = [c for c in edge_cfgs if has(c, two)]
+    if c2 and has(ROUND1, ["heldout2"]):
+        b = max(c2, key=lambda c: (ok(c, two), -kl(c, two)))
+        s.append(f"Round 2's rule on tune + heldout: **{b}** ({ok(b, two)} answers, mean KL {kl(b, two):.3f}; "
+                 f"round 1's {ROUND1}: {ok(ROUND1, two)}, {kl(ROUND1, two):.3f}).")
+        if has(b, ["heldout2"]) and b != ROUND1:
+            h2 = {(c, key(r)): r for c in (b, ROUND1) for r in rows if r["config"] == c and r["split"] == "heldout2"}
+            ks = [k for (c, k) in h2 if c == b and (ROUND1, k) in h2]
+            w = sum(h2[(b, k)]["kl_mean"] < h2[(ROUND1, k)]["kl_mean"] - 1e-9 for k in ks)
+            lo = sum(h2[(b, k)]["kl_mean"] > h2[(ROUND1, k)]["kl_mean"] + 1e-9 for k in ks)
+            passed = ok(b, ["heldout2"]) >= ok(ROUND1, ["heldout2"]) and w > lo
+            s.append(f" On heldout2: {ok(b, ['heldout2'])} answers vs {ok(ROUND1, ['heldout2'])}, paired KL "
+                     f"{w} wins, {lo} losses (sign test p = {sign_test(w, lo):.3g}): "
+                     + ("it **passes** and its settings are entrokv-edge's defaults." if passed else
+                        "it does **not** pass; round 1's defaults stay."))
+        s.append("\n")
     return "".join(s)
 
 
 def write(results: Path, report: Path, total_seconds: float | None = None) -> None:
     results = Path(results)
     parts = {p: _load(results, p) for p in ("uor", "masquerade", "niah", "fidelity", "speed", "peers", "variants")}
+    variants_peers = _load(results, "variants_peers")
     any_meta = next((v["meta"] for v in parts.values() if v), None)
     if any_meta is None:
         raise SystemExit(f"no results in {results}")
@@ -383,7 +423,8 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
     makers = {"uor": uor_section, "masquerade": masquerade_section,
               "niah": lambda d: niah_section(d, Path(os.path.relpath(results, Path(report).parent))),
               "fidelity": fidelity_section, "speed": speed_section,
-              "peers": lambda d: peers_section(d, parts.get("niah")), "variants": variants_section}
+              "peers": lambda d: peers_section(d, parts.get("niah")),
+              "variants": lambda d: variants_section(d, variants_peers)}
     for p, d in parts.items():
         if d is None and p == "variants":
             s.append("## 7. Beyond the paper: entrokv-edge\n\nNot in this report: `python benchmarks/variants.py` "

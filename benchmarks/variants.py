@@ -1,7 +1,7 @@
 """Beyond the paper: entrokv-edge's options against Page-EntroKV and the baselines, on a
 tuning split and a held-out split of needle prompts (issue 7's judge).
 
-    python benchmarks/variants.py [--quick] [--split tune|heldout|both] [--models ...]
+    python benchmarks/variants.py [--quick] [--split tune|heldout|heldout2|both|all] [--models ...]
         [--out benchmarks/results/variants.json]
 
 Splits (never mixed; the held-out one was not looked at while choosing entrokv-edge's defaults):
@@ -17,11 +17,21 @@ not), and its next-token distributions along the full cache's answer give KL(ful
 (nats, mean over the answer) and agreement. Configurations: the full cache, the method's
 policies, and entrokv-edge with one option at a time and all of them (see CONFIGS).
 
-The rule, fixed before any split was run: entrokv-edge's defaults (EDGE_DEFAULTS) are the
-entrokv-edge configuration that answers at least as many tune prompts as page-entrokv with
-the lowest mean KL on the tune split. Then the held-out split runs once; entrokv-edge becomes
-the library's default policy only if, there, it answers at least as many prompts as
-page-entrokv and has more paired KL wins than losses against it.
+Round 1 (2026-11-29). The rule, fixed before any split was run: entrokv-edge's defaults
+(EDGE_DEFAULTS) are the entrokv-edge configuration that answers at least as many tune prompts
+as page-entrokv with the lowest mean KL on the tune split. Then the held-out split runs once;
+entrokv-edge becomes the library's default policy only if, there, it answers at least as many
+prompts as page-entrokv and has more paired KL wins than losses against it. (Chosen:
+head_pool="rank", pool=7; it passed and became the default. "edge:round1" keeps it by name.)
+
+Round 2 (2026-11-30). Round 1's held-out answers were read afterwards (a number cut at a page
+boundary on Gemma 3), so from here "heldout" is tuning data too, and a third split is held out:
+  heldout2 pass-key needles ("The pass key for the <colour> door is <5 digits>. Remember it."),
+           haystack from essay 36 on (no essay of the other splits), depths 30/60/90
+The rule, fixed before heldout2 was run: the candidate with the most answers over tune +
+heldout (ties: the lowest mean KL there) replaces the round-1 defaults only if, on heldout2,
+it answers at least as many prompts as the round-1 defaults and has more paired KL wins than
+losses against them. heldout2 runs once, with the baselines, round 1 and the candidate.
 """
 from __future__ import annotations
 
@@ -41,10 +51,11 @@ import entrokv_edge as ek  # noqa: E402
 
 import _harness as H  # noqa: E402
 import niah  # noqa: E402
+from fidelity import _follow, _logp  # noqa: E402
 
 # name -> EvictionConfig settings (budget added per run). "edge:<opt>": entrokv-edge with that
 # one option on and the others off; "entrokv-edge": its defaults (EDGE_DEFAULTS).
-EDGE_OFF = dict(policy="entrokv-edge", pool=0, consensus=0.0, entropy_region="sinks", head_pool="entropy")
+EDGE_OFF = dict(policy="entrokv-edge", pool=0, spread=0, consensus=0.0, entropy_region="sinks", head_pool="entropy")
 CONFIGS = {
     "page-entrokv": dict(policy="page-entrokv"),
     "mean-pool": dict(policy="mean-pool"),
@@ -60,7 +71,13 @@ CONFIGS = {
     "edge:max": dict(EDGE_OFF, head_pool="max"),
     "edge:rank": dict(EDGE_OFF, head_pool="rank"),
     "edge:max+pool7": dict(EDGE_OFF, head_pool="max", pool=7),
-    "edge:rank+pool7": dict(EDGE_OFF, head_pool="rank", pool=7),
+    "edge:rank+pool7": dict(EDGE_OFF, head_pool="rank", pool=7),              # round 1's defaults
+    "edge:rank+pool15": dict(EDGE_OFF, head_pool="rank", pool=15),
+    "edge:rank+pool23": dict(EDGE_OFF, head_pool="rank", pool=23),
+    "edge:rank+pool31": dict(EDGE_OFF, head_pool="rank", pool=31),
+    "edge:rank+pool7+spread12": dict(EDGE_OFF, head_pool="rank", pool=7, spread=12),
+    "edge:rank+pool7+spread20": dict(EDGE_OFF, head_pool="rank", pool=7, spread=20),
+    "edge:max+pool31": dict(EDGE_OFF, head_pool="max", pool=31),
     "edge:a-priori": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable"),
     "edge:a-priori P8": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable", page_size=8),
     "entrokv-edge": dict(policy="entrokv-edge"),      # its defaults (EDGE_DEFAULTS), chosen on the tune split
@@ -69,20 +86,41 @@ BASELINES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", "no-is
 SPLITS = {
     "tune": dict(offset=0, depths=[20, 50, 80], needle="sandwich"),
     "heldout": dict(offset=24, depths=[10, 40, 70], needle="magic"),
+    "heldout2": dict(offset=36, depths=[30, 60, 90], needle="passkey"),
 }
 FULL = dict(lengths=[2048, 4096, 8192], budget=0.2, max_answer=24)
 QUICK = dict(lengths=[1024], budget=0.2, max_answer=24)
 CITIES = ["Zurich", "Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hanoi", "Montreal", "Perth", "Krakow",
           "Accra", "Bergen", "Cusco", "Dakar", "Gdansk", "Hobart", "Izmir", "Jaipur"]
+COLOURS = ["red", "blue", "green", "yellow", "orange", "purple", "white", "black", "grey", "brown", "silver", "golden"]
 
 
-def magic_prompt(llm, length: int, depth: int, offset: int, seed: int) -> tuple[H.Prompt, str]:
-    """A RULER-style needle: its prompt (needlehaystack's construction, our needle and
-    question) and the expected number."""
+def split_prompt(llm, split: str, length: int, depth: int):
+    """(prompt, check) of one split's needle prompt; check(answer text) -> needle found."""
+    sp = SPLITS[split]
+    if sp["needle"] == "sandwich":
+        p = niah.needle_prompt(llm, length, depth, sp["offset"])
+        p.meta["question"] = niah.QUESTION
+        return p, niah.correct
+    p, number = magic_prompt(llm, length, depth, sp["offset"], seed=length * 1000 + depth, kind=sp["needle"])
+    return p, (lambda text: number in text.replace(",", ""))
+
+
+def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str = "magic") -> tuple[H.Prompt, str]:
+    """A needle with a key and a number: its prompt (needlehaystack's construction, our needle
+    and question) and the expected number. kind "magic": RULER's form, a city and 7 digits;
+    "passkey": a coloured door's pass key, 5 digits."""
     rng = random.Random(seed)
-    city, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
-    needle = f"\nOne of the special magic numbers for {city} is: {number}.\n"
-    question = f"What is the special magic number for {city} mentioned in the provided text?"
+    if kind == "magic":
+        city, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
+        needle = f"\nOne of the special magic numbers for {city} is: {number}.\n"
+        question = f"What is the special magic number for {city} mentioned in the provided text?"
+    elif kind == "passkey":
+        city, number = rng.choice(COLOURS), str(rng.randrange(10_000, 100_000))
+        needle = f"\nThe pass key for the {city} door is {number}. Remember it.\n"
+        question = f"What is the pass key for the {city} door?"
+    else:
+        raise ValueError(f"unknown needle kind {kind!r}")
     head, tail = H.chat_parts(llm, question, system=False)
     nt = H.text_tokens(llm, needle)
     ctx = niah.haystack_tokens(llm, length - len(head) - len(tail) - len(nt), offset)
@@ -90,27 +128,24 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int) -> tuple[
     while at > 0 and not llm.detokenize([ctx[at - 1]]).rstrip().endswith(b"."):
         at -= 1
     start = len(head) + at
-    p = H.Prompt(head + ctx[:at] + nt + ctx[at:], tail, needle=list(range(start, start + len(nt))),
-                 meta={"length": length, "depth": depth, "offset": offset, "city": city})
+    doc = ctx[:at] + nt + ctx[at:]
+    p = H.Prompt(head + doc, tail, needle=list(range(start, start + len(nt))),
+                 meta={"length": length, "depth": depth, "offset": offset, "city": city, "question": question,
+                       "context": llm.detokenize(doc).decode("utf-8", errors="replace")})
     return p, number
 
 
-def _logp(lg: np.ndarray) -> np.ndarray:
-    x = lg.astype(np.float64) - lg.max()
-    return x - np.log(np.exp(x).sum())
-
-
-def decode(llm, first: np.ndarray, n: int, stop: set[int], force: list[int] | None = None):
-    """Greedy (or teacher-forced along ``force``) decoding: the tokens and the
-    log-probabilities of every step's next-token distribution."""
+def decode(llm, first: np.ndarray, n: int, stop: set[int]):
+    """Greedy decoding: the tokens and the log-probabilities of every step's next-token
+    distribution (the step that chose a stop token included)."""
     toks, lps, lg = [], [], first
-    for i in range(n if force is None else len(force)):
+    for i in range(n):
         lps.append(_logp(lg))
-        t = int(np.argmax(lg)) if force is None else force[i]
-        if force is None and t in stop:
+        t = int(np.argmax(lg))
+        if t in stop:
             break
         toks.append(t)
-        if i + 1 < (n if force is None else len(force)):
+        if i + 1 < n:
             llm.eval([t])
             lg = H.logits(llm)
     return toks, lps
@@ -120,8 +155,9 @@ def _kl(ref_lp, lp) -> list[float]:
     return [float(np.sum(np.exp(f) * (f - e))) for f, e in zip(ref_lp, lp)]
 
 
-def run_case(llm, p: H.Prompt, check, configs: dict, budget: float, max_answer: int, stop) -> list[dict]:
-    snap = H.prefill(llm, p)["inside"]
+def run_case(llm, p: H.Prompt, check, configs: dict, budget: float, max_answer: int, stop,
+             cache_dir=None) -> list[dict]:
+    snap = H.prefill_cached(llm, p, cache_dir)["inside"]
     H.restore(llm, snap)
     ref, ref_lp = decode(llm, snap.logits, max_answer, stop)
     if not ref:      # the full cache stops at once: compare its first distribution only
@@ -137,7 +173,7 @@ def run_case(llm, p: H.Prompt, check, configs: dict, budget: float, max_answer: 
         same = next((i for i, (a, b) in enumerate(zip(own, ref)) if a != b), min(len(own), len(ref)))
         if same < len(ref):   # own answer left the reference: follow the reference from the start
             H.evict_from(llm, snap, cfg)
-            _, lp = decode(llm, snap.logits, 0, stop, force=ref)
+            lp = _follow(llm, snap.logits, ref)
         kl = _kl(ref_lp[: len(ref)], lp[: len(ref)])        # the answer's steps (not the one after it)
         agree = [int(np.argmax(e)) == t for e, t in zip(lp, ref)]
         rows.append({"config": name, "page_size": cfg.page_size, "correct": check(text), "answer": text,
@@ -148,7 +184,8 @@ def run_case(llm, p: H.Prompt, check, configs: dict, budget: float, max_answer: 
     return rows
 
 
-def run(models, splits, lengths, budget, max_answer, configs=CONFIGS, commit="", log=print) -> list[dict]:
+def run(models, splits, lengths, budget, max_answer, configs=CONFIGS, commit="", log=print,
+        cache_dir=None) -> list[dict]:
     rows = []
     for model in models:
         llm = H.load(model, max(lengths) + 256)
@@ -158,12 +195,8 @@ def run(models, splits, lengths, budget, max_answer, configs=CONFIGS, commit="",
             for length in lengths:
                 for depth in sp["depths"]:
                     t0 = time.perf_counter()
-                    if sp["needle"] == "sandwich":
-                        p, check = niah.needle_prompt(llm, length, depth, sp["offset"]), niah.correct
-                    else:
-                        p, number = magic_prompt(llm, length, depth, sp["offset"], seed=length * 1000 + depth)
-                        check = (lambda num: lambda text: num in text.replace(",", ""))(number)
-                    case = run_case(llm, p, check, configs, budget, max_answer, stop)
+                    p, check = split_prompt(llm, split, length, depth)
+                    case = run_case(llm, p, check, configs, budget, max_answer, stop, cache_dir)
                     for r in case:
                         r.update(model=model, split=split, length=length, depth=depth, budget=budget,
                                  prompt_tokens=len(p.tokens), commit=commit)
@@ -180,11 +213,14 @@ def main(argv=None) -> int:
     import evidence
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--split", choices=["tune", "heldout", "both"], default="both")
+    ap.add_argument("--split", choices=[*SPLITS, "both", "all"], default="all",
+                    help="both: tune and heldout (round 1's pair); all: every split")
     ap.add_argument("--models", nargs="+", default=evidence.MODELS)
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--out", default=str(HERE / "results" / "variants.json"))
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: the machine's cores)")
+    ap.add_argument("--prefill-cache", default=None, metavar="DIR",
+                    help="keep each prompt's prefilled snapshot in DIR and reuse it on later runs (off by default)")
     args = ap.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -192,15 +228,16 @@ def main(argv=None) -> int:
         import os
         os.environ["ENTROKV_BENCH_THREADS"] = str(args.threads)
     g = QUICK if args.quick else FULL
-    splits = ["tune", "heldout"] if args.split == "both" else [args.split]
+    splits = {"both": ["tune", "heldout"], "all": list(SPLITS)}.get(args.split, [args.split])
     commit, t0 = evidence.commit_id(), time.perf_counter()
     rows = run(args.models, splits, g["lengths"], g["budget"], g["max_answer"],
-               {k: CONFIGS[k] for k in args.configs}, commit=commit)
+               {k: CONFIGS[k] for k in args.configs}, commit=commit, cache_dir=args.prefill_cache)
     out = Path(args.out)
     old = json.loads(out.read_text())["data"]["rows"] if out.exists() else []
     redo = {(m, s, c) for m in args.models for s in splits for c in ["full"] + args.configs}
     keep = [r for r in old if (r["model"], r["split"], r["config"]) not in redo]   # rows carry their commit
-    settings = {**g, "splits": {s: SPLITS[s] for s in splits}, "configs": {k: CONFIGS[k] for k in args.configs},
+    settings = {**g, "splits": {s: SPLITS[s] for s in splits}, "all_splits": SPLITS, "split_order": list(SPLITS),
+                "configs": {k: CONFIGS[k] for k in args.configs},
                 "edge_defaults": ek.controller.config.EDGE_DEFAULTS, "threads": H.threads()}
     doc = {"meta": evidence.meta("quick" if args.quick else "full", settings, time.perf_counter() - t0, commit),
            "data": {"rows": keep + rows}}

@@ -63,18 +63,8 @@ TOKEN_IDS = {
 
 def prompt(llm, split: str, length: int, depth: int):
     """variants.py's prompt for (split, length, depth): (context text, question, grader, llama.cpp tokens)."""
-    sp = variants.SPLITS[split]
-    if sp["needle"] == "sandwich":
-        p, check, question = niah.needle_prompt(llm, length, depth, sp["offset"]), niah.correct, niah.QUESTION
-    else:
-        p, number = variants.magic_prompt(llm, length, depth, sp["offset"], seed=length * 1000 + depth)
-        check = (lambda num: lambda text: num in text.replace(",", ""))(number)
-        question = p.meta.get("question") or \
-            f"What is the special magic number for {p.meta['city']} mentioned in the provided text?"
-    context = p.meta.get("context")
-    if context is None:   # a variants.py without meta["context"]: the prefix after the chat template's head
-        head, _ = H.chat_parts(llm, question, system=False)
-        context = llm.detokenize(p.prefix[len(head):]).decode("utf-8", errors="replace")
+    p, check = variants.split_prompt(llm, split, length, depth)
+    context, question = p.meta["context"], p.meta["question"]
     return context, question, check, len(p.tokens)
 
 
@@ -160,7 +150,7 @@ def summarize(rows: list[dict], log=print) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="lengths 1024 only")
-    ap.add_argument("--split", choices=["tune", "heldout", "both"], default="both")
+    ap.add_argument("--split", choices=[*variants.SPLITS, "both"], default="both")
     ap.add_argument("--lengths", nargs="+", type=int, default=None, help=f"default {LENGTHS}")
     ap.add_argument("--depths", nargs="+", type=int, default=None, help="default: the split's own")
     ap.add_argument("--models", nargs="+", choices=evidence.MODELS, default=["smollm2-135m"])

@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--policy", choices=POLICIES, default="entrokv-edge",
                         help="default entrokv-edge (our variant); page-entrokv: the method as published")
     common.add_argument("--pool", type=int, help="entrokv-edge: max-pooling width over key positions")
+    common.add_argument("--spread", type=int, help="entrokv-edge: keys after an attended key that share its score")
     common.add_argument("--consensus", type=float, help="entrokv-edge: share of free pages kept by every buffer")
     common.add_argument("--entropy-region", choices=("sinks", "evictable"), help="entrokv-edge: keys of the entropy")
     common.add_argument("--head-pool", choices=("entropy", "max", "rank"), help="entrokv-edge: pooling of a group's heads")
@@ -137,7 +138,7 @@ def _settings(args) -> dict:
     try:
         cfg = EvictionConfig(budget=args.budget, page_size=args.page_size, window=args.window, sinks=args.sinks,
                              recent=args.recent, tau=args.tau, policy=args.policy, pool=args.pool,
-                             consensus=args.consensus, entropy_region=args.entropy_region,
+                             spread=args.spread, consensus=args.consensus, entropy_region=args.entropy_region,
                              head_pool=args.head_pool)
     except ValueError as e:
         raise CLIError(str(e).replace("EvictionConfig: ", ""))

@@ -83,7 +83,7 @@ def test_fidelity_and_speed_measured(quick):
 @pytest.fixture(scope="module")
 def variants(quick):
     out = quick / "variants.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "variants.py"), "--quick", "--split", "both",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "variants.py"), "--quick", "--split", "all",
                         "--models", "smollm2-135m", "--configs", "page-entrokv", "entrokv-edge", "edge:P8",
                         "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -96,7 +96,7 @@ def variants(quick):
 def test_variants_keep_the_budget_and_are_graded_against_the_full_cache(variants, quick):
     rows = variants["data"]["rows"]
     cases = {(r["split"], r["length"], r["depth"]) for r in rows}
-    assert {c[0] for c in cases} == {"tune", "heldout"} and len(cases) == 6
+    assert {c[0] for c in cases} == {"tune", "heldout", "heldout2"} and len(cases) == 9
     for c in cases:
         by = {r["config"]: r for r in rows if (r["split"], r["length"], r["depth"]) == c}
         assert set(by) == {"full", "page-entrokv", "entrokv-edge", "edge:P8"}
@@ -107,4 +107,5 @@ def test_variants_keep_the_budget_and_are_graded_against_the_full_cache(variants
     assert any(r["correct"] for r in rows if r["config"] == "full" and r["split"] == "tune")
     text = (quick / "REPORT.md").read_text()
     assert "## 7. Beyond the paper: entrokv-edge" in text and "**heldout split**" in text
+    assert "**heldout2 split**" in text and "pass-key needles" in text
     assert "vs page-entrokv: answers" in text and "Issue 7's goal" in text

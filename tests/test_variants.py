@@ -1,4 +1,4 @@
-"""entrokv-edge's options (pool, consensus, entropy_region): their definitions against
+"""entrokv-edge's options (pool, spread, consensus, entropy_region, head_pool): their definitions against
 naive references, the constructed cases they exist for, and the invariants every policy
 keeps (exact budget, one set per group, page-entrokv unchanged)."""
 import dataclasses
@@ -13,7 +13,7 @@ from entrokv_edge.controller.config import EDGE_DEFAULTS
 from entrokv_edge.controller import select
 from entrokv_edge.controller.policies import consensus_pages, evictable_collision, group_pool, max_pool
 
-EDGE_OFF = dict(policy="entrokv-edge", pool=0, consensus=0.0, entropy_region="sinks", head_pool="entropy")
+EDGE_OFF = dict(policy="entrokv-edge", pool=0, spread=0, consensus=0.0, entropy_region="sinks", head_pool="entropy")
 
 
 @settings(max_examples=60, deadline=None)
@@ -82,6 +82,40 @@ def test_pooling_keeps_both_pages_of_a_straddling_fact():
     pooled = select(s, 2, EvictionConfig(**kw, **{**EDGE_OFF, "pool": 7})).pages[0, 0].tolist()
     assert 11 in plain and 12 not in plain and 5 in plain
     assert 11 in pooled and 12 in pooled and len(pooled) == len(plain) == 5
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 90), k=st.sampled_from([0, 1, 3, 7, 15]), spread=st.integers(0, 25),
+       seed=st.integers(0, 2**16))
+def test_max_pool_is_the_window_maximum(n, k, spread, seed):
+    """max_pool against its definition, key by key: the maximum over [i - k//2 - spread,
+    i + k//2] of the scores outside the fixed keys; fixed keys keep their own score."""
+    rng = np.random.default_rng(seed)
+    s = rng.random((2, 3, n))
+    fixed = rng.random(n) < 0.2
+    out = max_pool(s, k, fixed, spread)
+    half = k // 2 if k > 1 else 0
+    src = np.where(fixed, 0.0, s)
+    for i in range(n):
+        want = s[..., i] if fixed[i] else src[..., max(0, i - half - spread): i + half + 1].max(axis=-1)
+        assert np.array_equal(out[..., i], want)
+
+
+def test_spread_keeps_the_pages_after_an_attended_key():
+    """A key attended at the end of page 11 (P = 8) whose fact fills pages 12-13 (a value after
+    the words that point at it): pool 7 alone reaches page 12 only; spread 12 reaches 13 too,
+    and never the page before the key's own."""
+    n, P = 200, 8
+    s = np.full((1, 2, n), 0.05 / n)
+    s[:, :, 94:96] += 0.30
+    s[:, :, 40:48] += 0.02                                  # two diffuse pages with more mass than
+    s[:, :, 160:168] += 0.02                                # the fact's own tail pages
+    s /= s.sum(-1, keepdims=True)
+    kw = dict(budget=6 * P, page_size=P, window=8, sinks=4, **{**EDGE_OFF, "head_pool": "rank", "pool": 7})
+    pooled = select(s, 2, EvictionConfig(**kw)).pages[0, 0].tolist()
+    spread = select(s, 2, EvictionConfig(**{**kw, "spread": 12})).pages[0, 0].tolist()
+    assert {11, 12} <= set(pooled) and 13 not in pooled
+    assert {11, 12, 13} <= set(spread) and 10 not in spread and len(spread) == len(pooled) == 6
 
 
 def test_pooling_does_not_spread_the_sinks():
@@ -195,7 +229,7 @@ def test_rank_pooling_gives_every_head_its_first_choice():
 def test_edge_keeps_the_exact_budget_and_one_set_per_group(P, n, pool, consensus, region, frac, seed):
     s = np.random.default_rng(seed).random((3, 6, n))
     budget = max(int(frac * n), (2 + -(-4 // P) + -(-16 // P)) * P)
-    cfg = EvictionConfig(budget=budget, page_size=P, window=16, policy="entrokv-edge", pool=pool,
+    cfg = EvictionConfig(budget=budget, page_size=P, window=16, policy="entrokv-edge", pool=pool, spread=seed % 25,
                          consensus=consensus, entropy_region=region, head_pool=["entropy", "max", "rank"][seed % 3])
     sel = select(s, 3, cfg)
     N = cfg.budget_pages(n)
@@ -228,6 +262,13 @@ def test_edge_options_are_validated_and_resolved():
         EvictionConfig(policy="entrokv-edge", pool=-1)
     with pytest.raises(ValueError, match="head_pool"):
         EvictionConfig(policy="entrokv-edge", head_pool="mean")
+    with pytest.raises(ValueError, match="spread"):
+        EvictionConfig(policy="entrokv-edge", spread=-1)
+    with pytest.raises(ValueError, match="spread"):
+        EvictionConfig(policy="entrokv-edge", spread=True)
+    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
+        EvictionConfig(policy="max-pool", spread=20)
+    assert EvictionConfig(policy="page-entrokv").spread == 0 and EvictionConfig(policy="entrokv-edge", spread=0).spread == 0
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
         EvictionConfig(policy="page-entrokv", head_pool="rank")
 

@@ -9,8 +9,10 @@ METHOD_POLICIES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", 
 # every policy name accepted: the method's, and our own variant (docs/variants in the README)
 POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # entrokv-edge's settings where the user leaves them unset (None); page-entrokv = all off
-EDGE_DEFAULTS = {"page_size": 16, "pool": 7, "consensus": 0.0, "entropy_region": "sinks", "head_pool": "rank"}
-OFF = {"page_size": 16, "pool": 0, "consensus": 0.0, "entropy_region": "sinks", "head_pool": "entropy"}
+EDGE_DEFAULTS = {"page_size": 16, "pool": 7, "spread": 20, "consensus": 0.0, "entropy_region": "sinks",
+                 "head_pool": "rank"}
+OFF = {"page_size": 16, "pool": 0, "spread": 0, "consensus": 0.0, "entropy_region": "sinks", "head_pool": "entropy"}
+EDGE_OPTIONS = ("pool", "spread", "consensus", "entropy_region", "head_pool")
 ENTROPY_REGIONS = ("sinks", "evictable")
 HEAD_POOLS = ("entropy", "max", "rank")
 
@@ -33,6 +35,9 @@ class EvictionConfig:
     policies keep them off and refuse other values):
     pool           : k, width of a 1-D max pooling over key positions of each head's scores
                      before they are projected onto pages (SnapKV's smoothing; 0 or 1: none)
+    spread         : s, the pooling window of each key reaches s keys further back: a key's
+                     score also covers the s keys after it (a fact follows the words that
+                     point at it); with pool k the window of key i is [i - k//2 - s, i + k//2]
     consensus      : share of each buffer's free pages (budget minus protected) kept by every
                      (layer, group) alike: the pages with the highest mean page score over all
                      buffers (each buffer's scores normalized to one vote)
@@ -53,6 +58,7 @@ class EvictionConfig:
     policy: str = "entrokv-edge"        # won the held-out split (benchmarks/variants.py); the method: "page-entrokv"
     page_score: str = "sum"
     pool: int | None = None
+    spread: int | None = None
     consensus: float | None = None
     entropy_region: str | None = None
     head_pool: str | None = None
@@ -71,6 +77,8 @@ class EvictionConfig:
             bad(f"pool must be an integer >= 0, got {self.pool!r}")
         if self.pool > 1 and self.pool % 2 == 0:
             bad(f"pool must be odd (a window centred on each key), got {self.pool}")
+        if isinstance(self.spread, bool) or not isinstance(self.spread, int) or self.spread < 0:
+            bad(f"spread must be an integer >= 0, got {self.spread!r}")
         if isinstance(self.consensus, bool) or not isinstance(self.consensus, (int, float)) or \
                 not (0.0 <= self.consensus < 1.0):
             bad(f"consensus must be a share in [0, 1), got {self.consensus!r}")
@@ -79,7 +87,7 @@ class EvictionConfig:
         if self.entropy_region not in ENTROPY_REGIONS:
             bad(f"entropy_region must be one of {', '.join(ENTROPY_REGIONS)}, got {self.entropy_region!r}")
         if self.policy != "entrokv-edge":
-            on = [f"{k}={getattr(self, k)!r}" for k in ("pool", "consensus", "entropy_region", "head_pool")
+            on = [f"{k}={getattr(self, k)!r}" for k in EDGE_OPTIONS
                   if getattr(self, k) != OFF[k] and not (k == "pool" and getattr(self, k) == 1)]
             if on:
                 bad(f"{', '.join(on)}: these options belong to the entrokv-edge policy, not {self.policy!r}")

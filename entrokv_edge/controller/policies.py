@@ -45,11 +45,13 @@ def _token_page_max(x: np.ndarray, P: int) -> np.ndarray:
     return page_scores(x, P, "max")
 
 
-def max_pool(s: np.ndarray, k: int, fixed: np.ndarray | None = None) -> np.ndarray:
-    """[..., n]: the maximum of s over the k positions centred on each key (k odd; the
-    window is cut at the ends). Keys where ``fixed`` [n] (bool) is set (the sinks and the
+def max_pool(s: np.ndarray, k: int, fixed: np.ndarray | None = None, spread: int = 0) -> np.ndarray:
+    """[..., n]: the maximum of s over the window [i - k//2 - spread, i + k//2] of each key i
+    (k odd, 0 or 1: no centred part; the window is cut at the ends): with spread 0, the k
+    positions centred on the key. Keys where ``fixed`` [n] (bool) is set (the sinks and the
     protected pages) neither spread into their neighbours nor change."""
-    if k <= 1:
+    back, ahead = (k // 2 if k > 1 else 0) + spread, k // 2 if k > 1 else 0
+    if back == 0 and ahead == 0:
         return s
     s = np.asarray(s, dtype=np.float64)
     n = s.shape[-1]
@@ -57,10 +59,9 @@ def max_pool(s: np.ndarray, k: int, fixed: np.ndarray | None = None) -> np.ndarr
     if fixed is not None:
         src[..., fixed] = 0.0
     out = src.copy()
-    for d in range(1, k // 2 + 1):
-        if d >= n:
-            break
+    for d in range(1, min(back, n - 1) + 1):          # key i takes the score of key i - d
         np.maximum(out[..., d:], src[..., :-d], out=out[..., d:])
+    for d in range(1, min(ahead, n - 1) + 1):         # ... and of key i + d
         np.maximum(out[..., :-d], src[..., d:], out=out[..., :-d])
     if fixed is not None:
         out[..., fixed] = s[..., fixed]
@@ -141,12 +142,13 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     k = min(cfg.sinks, n)
     # entrokv-edge's pooling: pages are scored from the pooled scores, the weights from the raw ones
     fixed = None
-    if cfg.pool > 1 or cfg.entropy_region == "evictable":
+    smooth = cfg.pool > 1 or cfg.spread > 0
+    if smooth or cfg.entropy_region == "evictable":
         fixed = np.zeros(n_s, dtype=bool)             # keys every buffer keeps: the protected pages (sinks included)
         for j in prot:
             fixed[j * P: (j + 1) * P] = True
-    s_proj = max_pool(s, cfg.pool, fixed) if cfg.pool > 1 else s
-    st_proj = head_stats(s_proj, cfg.sinks, P) if cfg.pool > 1 else st
+    s_proj = max_pool(s, cfg.pool, fixed, cfg.spread) if smooth else s
+    st_proj = head_stats(s_proj, cfg.sinks, P) if smooth else st
 
     def token_dist(isolated: bool, x: np.ndarray = s, xs: HeadStats = st) -> np.ndarray:
         """[L, H, n] head distributions of x (only the max page score needs them)."""
