@@ -309,7 +309,9 @@ def variants_section(d, peers=None) -> str:
         s.append("Peers (`benchmarks/variants_peers.py`, kvpress 0.5.5 on the GGUF dequantized by transformers, "
                  "budget 20%, question inside): their KL is taken against their own full cache's greedy answer in "
                  "their own runtime, the same measure as ours. OpenVINO GenAI has no KL: "
-                 + (peers["meta"]["settings"].get("openvino", "not measurable") if peers else "") + "\n\n")
+                 + (peers["meta"]["settings"].get("openvino", "not measurable") if peers else "")
+                 + ". Per model: " + "; ".join(f"{m}: {v}" for m, v in (peers or {}).get("meta", {}).get("settings", {})
+                                              .get("model_notes", {}).items()) + "\n\n")
     key = lambda r: (r["model"], r["length"], r["depth"])  # noqa: E731
     for split in splits:
         sr = [r for r in rows if r["split"] == split]
@@ -363,29 +365,30 @@ def variants_section(d, peers=None) -> str:
     ok = lambda c, sps: sum(r["correct"] for r in rows if r["config"] == c and r["split"] in sps)  # noqa: E731
     kl = lambda c, sps: _mean_kl([r for r in rows if r["config"] == c and r["split"] in sps])  # noqa: E731
     has = lambda c, sps: all(any(r["config"] == c and r["split"] == sp for r in rows) for sp in sps)  # noqa: E731
-    edge_cfgs = list(dict.fromkeys(r["config"] for r in rows if r["config"].startswith("edge:")))
-    if has(OURS, ["tune"]):
-        c1 = [c for c in edge_cfgs if has(c, ["tune"]) and ok(c, ["tune"]) >= ok(OURS, ["tune"])]
+    rounds = st.get("rounds", {})
+    r1 = [c for c in rounds.get("round 1", []) if has(c, ["tune"])]
+    if r1 and has(OURS, ["tune"]):
+        c1 = [c for c in r1 if ok(c, ["tune"]) >= ok(OURS, ["tune"])]
         if c1:
             b = min(c1, key=lambda c: kl(c, ["tune"]))
             s.append(f"Round 1's rule on the tune rows: **{b}** (mean KL {kl(b, ['tune']):.3f}, {ok(b, ['tune'])} "
                      f"answers; page-entrokv {kl(OURS, ['tune']):.3f}, {ok(OURS, ['tune'])}).\n")
     two = ["tune", "heldout"]
-    c2 = [c for c in edge_cfgs if has(c, two)]
-    if c2 and has(ROUND1, ["heldout2"]):
+    c2 = [c for c in rounds.get("round 2", []) if has(c, two)]
+    if c2:
         b = max(c2, key=lambda c: (ok(c, two), -kl(c, two)))
         s.append(f"Round 2's rule on tune + heldout: **{b}** ({ok(b, two)} answers, mean KL {kl(b, two):.3f}; "
                  f"round 1's {ROUND1}: {ok(ROUND1, two)}, {kl(ROUND1, two):.3f}).")
-        if has(b, ["heldout2"]) and b != ROUND1:
-            h2 = {(c, key(r)): r for c in (b, ROUND1) for r in rows if r["config"] == c and r["split"] == "heldout2"}
+        if b != ROUND1 and has(b, ["heldout2"]) and has(ROUND1, ["heldout2"]):
+            h2 = {(r["config"], key(r)): r for r in rows if r["config"] in (b, ROUND1) and r["split"] == "heldout2"}
             ks = [k for (c, k) in h2 if c == b and (ROUND1, k) in h2]
             w = sum(h2[(b, k)]["kl_mean"] < h2[(ROUND1, k)]["kl_mean"] - 1e-9 for k in ks)
             lo = sum(h2[(b, k)]["kl_mean"] > h2[(ROUND1, k)]["kl_mean"] + 1e-9 for k in ks)
             passed = ok(b, ["heldout2"]) >= ok(ROUND1, ["heldout2"]) and w > lo
             s.append(f" On heldout2: {ok(b, ['heldout2'])} answers vs {ok(ROUND1, ['heldout2'])}, paired KL "
                      f"{w} wins, {lo} losses (sign test p = {sign_test(w, lo):.3g}): "
-                     + ("it **passes** and its settings are entrokv-edge's defaults." if passed else
-                        "it does **not** pass; round 1's defaults stay."))
+                     + ("it **passes**: its settings are entrokv-edge's defaults." if passed else
+                        "it does **not** pass: round 1's defaults stay."))
         s.append("\n")
     return "".join(s)
 

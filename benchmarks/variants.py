@@ -32,6 +32,9 @@ The rule, fixed before heldout2 was run: the candidate with the most answers ove
 heldout (ties: the lowest mean KL there) replaces the round-1 defaults only if, on heldout2,
 it answers at least as many prompts as the round-1 defaults and has more paired KL wins than
 losses against them. heldout2 runs once, with the baselines, round 1 and the candidate.
+(Chosen on tune + heldout: head_pool="rank", pool=7, spread=20 - 32 answers, KL 0.012 vs round
+1's 29, 0.085. On heldout2: 16 answers, as round 1, but KL lower on 3 prompts, higher on 15, so
+it did not pass: round 1's defaults stay, spread stays an option, default 0.)
 """
 from __future__ import annotations
 
@@ -81,6 +84,13 @@ CONFIGS = {
     "edge:a-priori": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable"),
     "edge:a-priori P8": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable", page_size=8),
     "entrokv-edge": dict(policy="entrokv-edge"),      # its defaults (EDGE_DEFAULTS), chosen on the tune split
+}
+# the entrokv-edge candidates each round's rule chose among (see the docstring)
+ROUNDS = {
+    "round 1": ["edge:P8", "edge:pool7", "edge:consensus25", "edge:evictable", "edge:tau0.5", "edge:max", "edge:rank",
+                "edge:max+pool7", "edge:rank+pool7", "edge:a-priori", "edge:a-priori P8"],
+    "round 2": ["edge:rank+pool7", "edge:rank+pool15", "edge:rank+pool23", "edge:rank+pool31", "edge:rank+pool7+spread12",
+                "edge:rank+pool7+spread20", "edge:max+pool31"],
 }
 BASELINES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", "no-isolation", "streaming")
 SPLITS = {
@@ -237,6 +247,7 @@ def main(argv=None) -> int:
     redo = {(m, s, c) for m in args.models for s in splits for c in ["full"] + args.configs}
     keep = [r for r in old if (r["model"], r["split"], r["config"]) not in redo]   # rows carry their commit
     settings = {**g, "splits": {s: SPLITS[s] for s in splits}, "all_splits": SPLITS, "split_order": list(SPLITS),
+                "rounds": ROUNDS,
                 "configs": {k: CONFIGS[k] for k in args.configs},
                 "edge_defaults": ek.controller.config.EDGE_DEFAULTS, "threads": H.threads()}
     doc = {"meta": evidence.meta("quick" if args.quick else "full", settings, time.perf_counter() - t0, commit),

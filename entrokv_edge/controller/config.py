@@ -9,7 +9,7 @@ METHOD_POLICIES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", 
 # every policy name accepted: the method's, and our own variant (docs/variants in the README)
 POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # entrokv-edge's settings where the user leaves them unset (None); page-entrokv = all off
-EDGE_DEFAULTS = {"page_size": 16, "pool": 7, "spread": 20, "consensus": 0.0, "entropy_region": "sinks",
+EDGE_DEFAULTS = {"page_size": 16, "pool": 7, "spread": 0, "consensus": 0.0, "entropy_region": "sinks",
                  "head_pool": "rank"}
 OFF = {"page_size": 16, "pool": 0, "spread": 0, "consensus": 0.0, "entropy_region": "sinks", "head_pool": "entropy"}
 EDGE_OPTIONS = ("pool", "spread", "consensus", "entropy_region", "head_pool")
