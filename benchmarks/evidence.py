@@ -56,6 +56,16 @@ def commit_id() -> str:
     return (commit or "unknown") + ("+dirty" if dirty else "")
 
 
+def merge_rows(out: Path, meta: dict, rows: list[dict], key, redo: set) -> None:
+    """Write ``{"meta", "data": {"rows"}}`` to ``out``: the new rows plus the rows already there
+    whose key(row) is not in ``redo`` (each row carries its own commit)."""
+    out = Path(out)
+    old = json.loads(out.read_text())["data"]["rows"] if out.exists() else []
+    keep = [r for r in old if key(r) not in redo]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "data": {"rows": keep + rows}}, indent=1))
+
+
 def meta(mode: str, settings: dict, seconds: float, commit: str) -> dict:
     reg = ek.models.registry()
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()

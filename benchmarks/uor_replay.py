@@ -47,39 +47,38 @@ def run(models, n_essays: int, n_code: int, tokens: int, log=print) -> list[dict
     texts = [f.read_bytes() for f in H.essays()[:n_essays]] + \
         [inspect.getsource(importlib.import_module(m)).encode() for m in CODE_MODULES[:n_code]]
     rows = []
-    tmp = tempfile.TemporaryDirectory()
-    for name in models:
-        llm = _open(name, tokens + 256, tmp.name)
-        g = ek.geometry(llm)
-        r = ek.llama_cpp.llama_model_n_head(llm.model) // g.layers[0].n_head_kv
-        acc = {}
-        for text in texts:
-            toks = llm.tokenize(text)[:tokens]
-            ek.llama_cpp.llama_memory_clear(llm._ctx.memory, True)
-            llm.reset()
-            s = H.observe(llm, toks, 32).scores[:, :, : len(toks)]
-            n = len(toks)
-            for b in BUDGETS:
-                for P in PAGE_SIZES:
-                    cfg = ek.EvictionConfig(budget=b, page_size=P, window=32)
-                    try:
-                        sel = select(s, r, cfg, n)
-                    except ValueError:          # budget below the protected pages at this length
-                        continue
-                    n_pages = cfg.n_pages(n)
-                    u = M.uor(sel.head_pages, r, n_pages)
-                    d = M.disagreement(sel.head_pages, r, n_pages)
-                    a = acc.setdefault((b, P), {"u": [], "d": [], "own": []})
-                    a["u"].append(u.ravel()), a["d"].append(d.ravel())
-                    a["own"].append(sel.pages.shape[-1] / sel.n_budget)
-        for (b, P), a in sorted(acc.items()):
-            u, d = np.concatenate(a["u"]), np.concatenate(a["d"])
-            rows.append({"model": name, "r": r, "budget": b, "page_size": P, "prompts": len(a["own"]),
-                         "measurements": int(u.size), "uor_mean": float(u.mean()), "uor_max": float(u.max()),
-                         "d_mean": float(d.mean()), "page_entrokv_uor": float(max(a["own"]))})
-        log(f"uor {name}: {len(texts)} prompts replayed")
-        llm.close()
-    tmp.cleanup()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            llm = _open(name, tokens + 256, tmp)
+            g = ek.geometry(llm)
+            r = ek.llama_cpp.llama_model_n_head(llm.model) // g.layers[0].n_head_kv
+            acc = {}
+            for text in texts:
+                toks = llm.tokenize(text)[:tokens]
+                ek.llama_cpp.llama_memory_clear(llm._ctx.memory, True)
+                llm.reset()
+                s = H.observe(llm, toks, 32).scores[:, :, : len(toks)]
+                n = len(toks)
+                for b in BUDGETS:
+                    for P in PAGE_SIZES:
+                        cfg = ek.EvictionConfig(budget=b, page_size=P, window=32, policy="page-entrokv")
+                        try:
+                            sel = select(s, r, cfg, n)
+                        except ValueError:          # budget below the protected pages at this length
+                            continue
+                        n_pages = cfg.n_pages(n)
+                        u = M.uor(sel.head_pages, r, n_pages)
+                        d = M.disagreement(sel.head_pages, r, n_pages)
+                        a = acc.setdefault((b, P), {"u": [], "d": [], "own": []})
+                        a["u"].append(u.ravel()), a["d"].append(d.ravel())
+                        a["own"].append(sel.pages.shape[-1] / sel.n_budget)
+            for (b, P), a in sorted(acc.items()):
+                u, d = np.concatenate(a["u"]), np.concatenate(a["d"])
+                rows.append({"model": name, "r": r, "budget": b, "page_size": P, "prompts": len(a["own"]),
+                             "measurements": int(u.size), "uor_mean": float(u.mean()), "uor_max": float(u.max()),
+                             "d_mean": float(d.mean()), "page_entrokv_uor": float(max(a["own"]))})
+            log(f"uor {name}: {len(texts)} prompts replayed")
+            llm.close()
     return rows
 
 

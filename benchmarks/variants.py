@@ -22,7 +22,7 @@ Round 1 (2026-11-29). The rule, fixed before any split was run: entrokv-edge's d
 as page-entrokv with the lowest mean KL on the tune split. Then the held-out split runs once;
 entrokv-edge becomes the library's default policy only if, there, it answers at least as many
 prompts as page-entrokv and has more paired KL wins than losses against it. (Chosen:
-head_pool="rank", pool=7; it passed and became the default. "edge:round1" keeps it by name.)
+head_pool="rank", pool=7; it passed and became the default. "edge:rank+pool7" keeps it by name.)
 
 Round 2 (2026-11-30). Round 1's held-out answers were read afterwards (a number cut at a page
 boundary on Gemma 3), so from here "heldout" is tuning data too, and a third split is held out:
@@ -39,7 +39,6 @@ it did not pass: round 1's defaults stay, spread stays an option, default 0.)
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -122,13 +121,13 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str
     "passkey": a coloured door's pass key, 5 digits."""
     rng = random.Random(seed)
     if kind == "magic":
-        city, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
-        needle = f"\nOne of the special magic numbers for {city} is: {number}.\n"
-        question = f"What is the special magic number for {city} mentioned in the provided text?"
+        key, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
+        needle = f"\nOne of the special magic numbers for {key} is: {number}.\n"
+        question = f"What is the special magic number for {key} mentioned in the provided text?"
     elif kind == "passkey":
-        city, number = rng.choice(COLOURS), str(rng.randrange(10_000, 100_000))
-        needle = f"\nThe pass key for the {city} door is {number}. Remember it.\n"
-        question = f"What is the pass key for the {city} door?"
+        key, number = rng.choice(COLOURS), str(rng.randrange(10_000, 100_000))
+        needle = f"\nThe pass key for the {key} door is {number}. Remember it.\n"
+        question = f"What is the pass key for the {key} door?"
     else:
         raise ValueError(f"unknown needle kind {kind!r}")
     head, tail = H.chat_parts(llm, question, system=False)
@@ -140,7 +139,7 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str
     start = len(head) + at
     doc = ctx[:at] + nt + ctx[at:]
     p = H.Prompt(head + doc, tail, needle=list(range(start, start + len(nt))),
-                 meta={"length": length, "depth": depth, "offset": offset, "city": city, "question": question,
+                 meta={"length": length, "depth": depth, "offset": offset, "key": key, "question": question,
                        "context": llm.detokenize(doc).decode("utf-8", errors="replace")})
     return p, number
 
@@ -242,19 +241,15 @@ def main(argv=None) -> int:
     commit, t0 = evidence.commit_id(), time.perf_counter()
     rows = run(args.models, splits, g["lengths"], g["budget"], g["max_answer"],
                {k: CONFIGS[k] for k in args.configs}, commit=commit, cache_dir=args.prefill_cache)
-    out = Path(args.out)
-    old = json.loads(out.read_text())["data"]["rows"] if out.exists() else []
-    redo = {(m, s, c) for m in args.models for s in splits for c in ["full"] + args.configs}
-    keep = [r for r in old if (r["model"], r["split"], r["config"]) not in redo]   # rows carry their commit
     settings = {**g, "splits": {s: SPLITS[s] for s in splits}, "all_splits": SPLITS, "split_order": list(SPLITS),
                 "rounds": ROUNDS,
                 "configs": {k: CONFIGS[k] for k in args.configs},
                 "edge_defaults": ek.controller.config.EDGE_DEFAULTS, "threads": H.threads()}
-    doc = {"meta": evidence.meta("quick" if args.quick else "full", settings, time.perf_counter() - t0, commit),
-           "data": {"rows": keep + rows}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    print(f"{len(rows)} rows -> {out} ({time.perf_counter() - t0:.0f} s)")
+    evidence.merge_rows(args.out, evidence.meta("quick" if args.quick else "full", settings,
+                                                time.perf_counter() - t0, commit), rows,
+                        key=lambda r: (r["model"], r["split"], r["config"]),
+                        redo={(m, s, c) for m in args.models for s in splits for c in ["full"] + args.configs})
+    print(f"{len(rows)} rows -> {args.out} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 

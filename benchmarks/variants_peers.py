@@ -2,7 +2,7 @@
 presses, their answers graded as variants.py grades ours, and their KL(full || compressed) along
 the full cache's answer (nats, mean over the answer), the number issue 7 compares.
 
-    python benchmarks/variants_peers.py [--split tune|heldout|both] [--lengths 2048 4096 8192]
+    python benchmarks/variants_peers.py [--split tune|heldout|heldout2|both] [--lengths 2048 4096 8192]
         [--models smollm2-135m [gemma3-270m]] [--systems kvpress-snapkv,...] [--budgets 0.2]
         [--depths ...] [--threads N] [--quick] [--out benchmarks/results/variants_peers.json]
 
@@ -41,7 +41,6 @@ import entrokv_edge as ek  # noqa: E402
 
 import _harness as H  # noqa: E402
 import evidence  # noqa: E402
-import niah  # noqa: E402
 import peers  # noqa: E402  (stdlib-only at import: its torch / OpenVINO imports are inside the systems)
 import variants  # noqa: E402
 
@@ -61,13 +60,6 @@ TOKEN_IDS = {
 }
 
 
-def prompt(llm, split: str, length: int, depth: int):
-    """variants.py's prompt for (split, length, depth): (context text, question, grader, llama.cpp tokens)."""
-    p, check = variants.split_prompt(llm, split, length, depth)
-    context, question = p.meta["context"], p.meta["question"]
-    return context, question, check, len(p.tokens)
-
-
 def token_ids(llm, context: str, question: str, placement: str) -> dict:
     """kvpress's context / question ids (pipe.preprocess for a model without a chat template: BOS +
     context, question + "\\n"), tokenized by llama.cpp."""
@@ -85,7 +77,8 @@ def cases_for(model: str, splits, lengths, depths, budgets, log=print):
         for split in splits:
             for length in lengths:
                 for depth in (depths or variants.SPLITS[split]["depths"]):
-                    context, question, check, n_llama = prompt(llm, split, length, depth)
+                    p, check = variants.split_prompt(llm, split, length, depth)
+                    context, question, n_llama = p.meta["context"], p.meta["question"], len(p.tokens)
                     ids = token_ids(llm, context, question, PLACEMENT) if model in TOKEN_IDS else {}
                     for b in budgets:
                         cid = f"{split}-{length}-{depth}-{b:g}"
@@ -182,10 +175,6 @@ def main(argv=None) -> int:
         new = rows_for(model, run_peers(model, cases, systems, args.threads), info, commit)
         summarize(new, log=log)
         rows += new
-    out = Path(args.out)
-    old = json.loads(out.read_text())["data"]["rows"] if out.exists() else []
-    redo = {(m, s, c, b) for m in args.models for s in splits for c in systems for b in args.budgets}
-    keep = [r for r in old if (r["model"], r["split"], r["config"], r["budget"]) not in redo]  # rows carry their commit
     settings = {"lengths": lengths, "depths": args.depths or {s: variants.SPLITS[s]["depths"] for s in splits},
                 "splits": {s: variants.SPLITS[s] for s in splits}, "systems": systems, "budgets": args.budgets,
                 "placement": PLACEMENT, "max_answer": MAX_NEW, "threads": args.threads,
@@ -195,10 +184,9 @@ def main(argv=None) -> int:
                 "model_notes": {m: TOKEN_IDS.get(m, "kvpress's own tokenization (transformers' GGUF tokenizer)")
                                 for m in evidence.MODELS}}
     meta = evidence.meta("quick" if lengths == [1024] else "full", settings, time.perf_counter() - t0, commit)
-    doc = {"meta": meta, "data": {"rows": keep + rows}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    log(f"{len(rows)} rows -> {out}")
+    evidence.merge_rows(args.out, meta, rows, key=lambda r: (r["model"], r["split"], r["config"], r["budget"]),
+                        redo={(m, s, c, b) for m in args.models for s in splits for c in systems for b in args.budgets})
+    log(f"{len(rows)} rows -> {args.out}")
     return 0
 
 
