@@ -273,7 +273,10 @@ def peers_section(d, niah_d) -> str:
 EDGE = "entrokv-edge"
 
 
-NEEDLE_KINDS = {"sandwich": "needlehaystack needle", "magic": "magic-number needles", "passkey": "pass-key needles"}
+NEEDLE_KINDS = {"sandwich": "needlehaystack needle", "magic": "magic-number needles", "passkey": "pass-key needles",
+                "room": "meeting-room needles"}
+# the later rounds (benchmarks/variants.py): (name, the splits the candidate is chosen on, the held-out split)
+LATER_ROUNDS = (("round 2", ["tune", "heldout"], "heldout2"), ("round 3", ["tune", "heldout", "heldout2"], "heldout3"))
 ROUND1 = "edge:rank+pool7"       # round 1's defaults by name (benchmarks/variants.py)
 
 
@@ -373,19 +376,21 @@ def variants_section(d, peers=None) -> str:
             b = min(c1, key=lambda c: kl(c, ["tune"]))
             s.append(f"Round 1's rule on the tune rows: **{b}** (mean KL {kl(b, ['tune']):.3f}, {ok(b, ['tune'])} "
                      f"answers; page-entrokv {kl(OURS, ['tune']):.3f}, {ok(OURS, ['tune'])}).\n")
-    two = ["tune", "heldout"]
-    c2 = [c for c in rounds.get("round 2", []) if has(c, two)]
-    if c2:
-        b = max(c2, key=lambda c: (ok(c, two), -kl(c, two)))
-        s.append(f"Round 2's rule on tune + heldout: **{b}** ({ok(b, two)} answers, mean KL {kl(b, two):.3f}; "
-                 f"round 1's {ROUND1}: {ok(ROUND1, two)}, {kl(ROUND1, two):.3f}).")
-        if b != ROUND1 and has(b, ["heldout2"]) and has(ROUND1, ["heldout2"]):
-            h2 = {(r["config"], key(r)): r for r in rows if r["config"] in (b, ROUND1) and r["split"] == "heldout2"}
-            ks = [k for (c, k) in h2 if c == b and (ROUND1, k) in h2]
-            w = sum(h2[(b, k)]["kl_mean"] < h2[(ROUND1, k)]["kl_mean"] - 1e-9 for k in ks)
-            lo = sum(h2[(b, k)]["kl_mean"] > h2[(ROUND1, k)]["kl_mean"] + 1e-9 for k in ks)
-            passed = ok(b, ["heldout2"]) >= ok(ROUND1, ["heldout2"]) and w > lo
-            s.append(f" On heldout2: {ok(b, ['heldout2'])} answers vs {ok(ROUND1, ['heldout2'])}, paired KL "
+    for name, chosen_on, held in LATER_ROUNDS:
+        cands = [c for c in rounds.get(name, []) if has(c, chosen_on)]
+        if not cands:
+            continue
+        on = " + ".join(chosen_on)
+        b = max(cands, key=lambda c: (ok(c, chosen_on), -kl(c, chosen_on)))
+        s.append(f"{name.capitalize()}'s rule on {on}: **{b}** ({ok(b, chosen_on)} answers, mean KL "
+                 f"{kl(b, chosen_on):.3f}; round 1's {ROUND1}: {ok(ROUND1, chosen_on)}, {kl(ROUND1, chosen_on):.3f}).")
+        if b != ROUND1 and has(b, [held]) and has(ROUND1, [held]):
+            h = {(r["config"], key(r)): r for r in rows if r["config"] in (b, ROUND1) and r["split"] == held}
+            ks = [k for (c, k) in h if c == b and (ROUND1, k) in h]
+            w = sum(h[(b, k)]["kl_mean"] < h[(ROUND1, k)]["kl_mean"] - 1e-9 for k in ks)
+            lo = sum(h[(b, k)]["kl_mean"] > h[(ROUND1, k)]["kl_mean"] + 1e-9 for k in ks)
+            passed = ok(b, [held]) >= ok(ROUND1, [held]) and w > lo
+            s.append(f" On {held}: {ok(b, [held])} answers vs {ok(ROUND1, [held])}, paired KL "
                      f"{w} wins, {lo} losses (sign test p = {sign_test(w, lo):.3g}): "
                      + ("it **passes**: its settings are entrokv-edge's defaults." if passed else
                         "it does **not** pass: round 1's defaults stay."))

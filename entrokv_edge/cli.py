@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="default entrokv-edge (our variant); page-entrokv: the method as published")
     common.add_argument("--pool", type=int, help="entrokv-edge: max-pooling width over key positions")
     common.add_argument("--spread", type=int, help="entrokv-edge: keys after an attended key that share its score")
+    common.add_argument("--decay", type=float, help="entrokv-edge: the spread's discount per key, in (0, 1]")
     common.add_argument("--consensus", type=float, help="entrokv-edge: share of free pages kept by every buffer")
     common.add_argument("--entropy-region", choices=("sinks", "evictable"), help="entrokv-edge: keys of the entropy")
     common.add_argument("--head-pool", choices=("entropy", "max", "rank"), help="entrokv-edge: pooling of a group's heads")
@@ -138,7 +139,7 @@ def _settings(args) -> dict:
     try:
         cfg = EvictionConfig(budget=args.budget, page_size=args.page_size, window=args.window, sinks=args.sinks,
                              recent=args.recent, tau=args.tau, policy=args.policy, pool=args.pool,
-                             spread=args.spread, consensus=args.consensus, entropy_region=args.entropy_region,
+                             spread=args.spread, decay=args.decay, consensus=args.consensus, entropy_region=args.entropy_region,
                              head_pool=args.head_pool)
     except ValueError as e:
         raise CLIError(str(e).replace("EvictionConfig: ", ""))

@@ -86,19 +86,24 @@ def test_pooling_keeps_both_pages_of_a_straddling_fact():
 
 @settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 90), k=st.sampled_from([0, 1, 3, 7, 15]), spread=st.integers(0, 25),
-       seed=st.integers(0, 2**16))
-def test_max_pool_is_the_window_maximum(n, k, spread, seed):
+       decay=st.sampled_from([1.0, 0.9, 0.5]), seed=st.integers(0, 2**16))
+def test_max_pool_is_the_window_maximum(n, k, spread, decay, seed):
     """max_pool against its definition, key by key: the maximum over [i - k//2 - spread,
-    i + k//2] of the scores outside the fixed keys; fixed keys keep their own score."""
+    i + k//2] of the scores outside the fixed keys, a key j before i - k//2 discounted by
+    decay ** (i - k//2 - j); fixed keys keep their own score."""
     rng = np.random.default_rng(seed)
     s = rng.random((2, 3, n))
     fixed = rng.random(n) < 0.2
-    out = max_pool(s, k, fixed, spread)
+    out = max_pool(s, k, fixed, spread, decay)
     half = k // 2 if k > 1 else 0
     src = np.where(fixed, 0.0, s)
     for i in range(n):
-        want = s[..., i] if fixed[i] else src[..., max(0, i - half - spread): i + half + 1].max(axis=-1)
-        assert np.array_equal(out[..., i], want)
+        lo = max(0, i - half - spread)
+        disc = decay ** np.maximum(0, i - half - np.arange(lo, min(n, i + half + 1)))
+        want = s[..., i] if fixed[i] else (src[..., lo: i + half + 1] * disc).max(axis=-1)
+        np.testing.assert_allclose(out[..., i], want, rtol=1e-12, atol=0)
+        if decay == 1.0:
+            assert np.array_equal(out[..., i], want)
 
 
 def test_spread_keeps_the_pages_after_an_attended_key():
@@ -118,56 +123,22 @@ def test_spread_keeps_the_pages_after_an_attended_key():
     assert {11, 12, 13} <= set(spread) and 10 not in spread and len(spread) == len(pooled) == 6
 
 
-def test_pooling_does_not_spread_the_sinks():
-    n = 64
-    s = np.full((1, 2, n), 0.01)
-    s[:, :, 0] = 50.0                                        # a sink that would flood its neighbours
-    fixed = np.arange(n) < 4
-    pooled = max_pool(s, 7, fixed)
-    assert (pooled[..., 4:] <= 0.01 + 1e-15).all() and pooled[0, 0, 0] == 50.0
-    s[:, :, n - 8:] = 30.0                                   # nor does the recent window (protected)
-    cfg = EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4, policy="entrokv-edge", pool=7,
-                         consensus=0.0, entropy_region="sinks", head_pool="entropy")
-    plain = select(s, 2, EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4, policy="page-entrokv"))
-    assert np.array_equal(select(s, 2, cfg).pages, plain.pages)   # flat elsewhere: pooling changes nothing
-
-
-def test_consensus_keeps_a_page_every_buffer_ranks_third():
-    L, G, r, n, P = 3, 2, 2, 128, 8
-    rng = np.random.default_rng(0)
-    s = rng.random((L, G * r, n)) * 0.01
-    for l in range(L):
-        for g in range(G):
-            b = l * G + g                                       # each buffer's two own favourites
-            for own, extra in ((1 + b, 0.08), (7 + b, 0.07)):
-                s[l, g * r:(g + 1) * r, own * P:(own + 1) * P] += extra
-    s[:, :, 14 * P:15 * P] += 0.05                              # page 14: everybody's third choice
-    kw = dict(budget=4 * P, page_size=P, window=8, sinks=4)     # pages 0 and 15 protected, 2 free
-    base = select(s, r, EvictionConfig(**kw, **EDGE_OFF)).pages
-    cons = select(s, r, EvictionConfig(**kw, **{**EDGE_OFF, "consensus": 0.5})).pages
-    assert not (base == 14).any()
-    assert (cons == 14).all(axis=(0, 1)).any() and cons.shape == base.shape == (L, G, 4)
-    for l in range(L):                                          # the other free page: the buffer's favourite
-        for g in range(G):
-            assert cons[l, g].tolist() == sorted([0, 1 + l * G + g, 14, 15])
-
-
-def test_evictable_entropy_weights_the_retrieval_head_over_a_recent_focused_one():
-    """Head 0 attends sharply to the recent window (always kept anyway); head 1 to one old
-    token. Over the sinks-isolated keys head 0 looks the most concentrated; over the
-    evictable keys head 1 does, and its page is then kept."""
-    n, P = 256, 16
-    s = np.full((1, 2, n), 1e-4)
-    s[0, 0, n - 2:] += 2.0                                    # head 0: the last 2 tokens
-    s[0, 0, 64:80] += 0.05                                    # ... and a diffuse old page (4)
-    s[0, 1, 170] += 0.3                                       # head 1: the needle (page 10)
-    s[0, 1, n - 16:] += 0.04
+def test_decay_discounts_the_far_followers():
+    """decay: a strong key ends page 11 (P = 8), a weak one (0.08 vs 0.30) sits in page 20;
+    spread 16. Flat, every follower counts in full, so page 21 (eight followers of the weak
+    key: 8 x 0.08) outranks page 11 (the strong key alone) and the strong key's own page is
+    lost. With decay 0.8 a follower d keys on counts at 0.8 ** d: page 21 falls to < 0.2
+    and page 11 comes back; the strong key's near followers (12, 13) stay."""
+    n, P = 200, 8
+    s = np.full((1, 2, n), 0.01 / n)
+    s[:, :, 95] += 0.30
+    s[:, :, 163] += 0.08
     s /= s.sum(-1, keepdims=True)
-    kw = dict(budget=3 * P, page_size=P, window=16, sinks=4)   # pages 0 and 15 protected: one free
-    method = select(s, 2, EvictionConfig(**kw, policy="page-entrokv"))
-    edge = select(s, 2, EvictionConfig(**kw, **{**EDGE_OFF, "entropy_region": "evictable"}))
-    assert method.weights[0, 0] > method.weights[0, 1] and 4 in method.pages[0, 0]
-    assert edge.weights[0, 1] > edge.weights[0, 0] and 10 in edge.pages[0, 0]
+    kw = dict(budget=6 * P, page_size=P, window=8, sinks=4, **{**EDGE_OFF, "head_pool": "rank", "spread": 16})
+    flat = select(s, 2, EvictionConfig(**kw)).pages[0, 0].tolist()
+    decayed = select(s, 2, EvictionConfig(**{**kw, "decay": 0.8})).pages[0, 0].tolist()
+    assert flat == [0, 12, 13, 20, 21, 24]
+    assert decayed == [0, 11, 12, 13, 20, 24]
 
 
 @settings(max_examples=40, deadline=None)
@@ -230,6 +201,7 @@ def test_edge_keeps_the_exact_budget_and_one_set_per_group(P, n, pool, consensus
     s = np.random.default_rng(seed).random((3, 6, n))
     budget = max(int(frac * n), (2 + -(-4 // P) + -(-16 // P)) * P)
     cfg = EvictionConfig(budget=budget, page_size=P, window=16, policy="entrokv-edge", pool=pool, spread=seed % 25,
+                         decay=[1.0, 0.8][seed % 2],
                          consensus=consensus, entropy_region=region, head_pool=["entropy", "max", "rank"][seed % 3])
     sel = select(s, 3, cfg)
     N = cfg.budget_pages(n)
@@ -269,6 +241,12 @@ def test_edge_options_are_validated_and_resolved():
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
         EvictionConfig(policy="max-pool", spread=20)
     assert EvictionConfig(policy="page-entrokv").spread == 0 and EvictionConfig(policy="entrokv-edge", spread=0).spread == 0
+    for bad in (0.0, 1.5, -0.2, True, "0.8"):
+        with pytest.raises(ValueError, match="decay must be a number in"):
+            EvictionConfig(policy="entrokv-edge", decay=bad)
+    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
+        EvictionConfig(policy="page-entrokv", decay=0.8)
+    assert EvictionConfig(policy="entrokv-edge", decay=0.8).decay == 0.8 and EvictionConfig(policy="mean-pool").decay == 1.0
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
         EvictionConfig(policy="page-entrokv", head_pool="rank")
 

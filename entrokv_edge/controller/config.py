@@ -9,10 +9,11 @@ METHOD_POLICIES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", 
 # every policy name accepted: the method's, and our own variant (docs/variants in the README)
 POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # entrokv-edge's settings where the user leaves them unset (None); page-entrokv = all off
-EDGE_DEFAULTS = {"page_size": 16, "pool": 7, "spread": 0, "consensus": 0.0, "entropy_region": "sinks",
+EDGE_DEFAULTS = {"page_size": 16, "pool": 7, "spread": 0, "decay": 1.0, "consensus": 0.0, "entropy_region": "sinks",
                  "head_pool": "rank"}
-OFF = {"page_size": 16, "pool": 0, "spread": 0, "consensus": 0.0, "entropy_region": "sinks", "head_pool": "entropy"}
-EDGE_OPTIONS = ("pool", "spread", "consensus", "entropy_region", "head_pool")
+OFF = {"page_size": 16, "pool": 0, "spread": 0, "decay": 1.0, "consensus": 0.0, "entropy_region": "sinks",
+       "head_pool": "entropy"}
+EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool")
 ENTROPY_REGIONS = ("sinks", "evictable")
 HEAD_POOLS = ("entropy", "max", "rank")
 
@@ -38,6 +39,8 @@ class EvictionConfig:
     spread         : s, the pooling window of each key reaches s keys further back: a key's
                      score also covers the s keys after it (a fact follows the words that
                      point at it); with pool k the window of key i is [i - k//2 - s, i + k//2]
+    decay          : g in (0, 1], the spread's discount: in key i's window, a key j before
+                     i - k//2 counts at g ** (i - k//2 - j) of its score (1: no discount)
     consensus      : share of each buffer's free pages (budget minus protected) kept by every
                      (layer, group) alike: the pages with the highest mean page score over all
                      buffers (each buffer's scores normalized to one vote)
@@ -59,6 +62,7 @@ class EvictionConfig:
     page_score: str = "sum"
     pool: int | None = None
     spread: int | None = None
+    decay: float | None = None
     consensus: float | None = None
     entropy_region: str | None = None
     head_pool: str | None = None
@@ -79,6 +83,9 @@ class EvictionConfig:
             bad(f"pool must be odd (a window centred on each key), got {self.pool}")
         if isinstance(self.spread, bool) or not isinstance(self.spread, int) or self.spread < 0:
             bad(f"spread must be an integer >= 0, got {self.spread!r}")
+        if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or \
+                not (0.0 < self.decay <= 1.0):
+            bad(f"decay must be a number in (0, 1], got {self.decay!r}")
         if isinstance(self.consensus, bool) or not isinstance(self.consensus, (int, float)) or \
                 not (0.0 <= self.consensus < 1.0):
             bad(f"consensus must be a share in [0, 1), got {self.consensus!r}")

@@ -45,24 +45,28 @@ def _token_page_max(x: np.ndarray, P: int) -> np.ndarray:
     return page_scores(x, P, "max")
 
 
-def max_pool(s: np.ndarray, k: int, fixed: np.ndarray | None = None, spread: int = 0) -> np.ndarray:
+def max_pool(s: np.ndarray, k: int, fixed: np.ndarray | None = None, spread: int = 0,
+             decay: float = 1.0) -> np.ndarray:
     """[..., n]: the maximum of s over the window [i - k//2 - spread, i + k//2] of each key i
-    (k odd, 0 or 1: no centred part; the window is cut at the ends): with spread 0, the k
-    positions centred on the key. Keys where ``fixed`` [n] (bool) is set (the sinks and the
-    protected pages) neither spread into their neighbours nor change."""
-    back, ahead = (k // 2 if k > 1 else 0) + spread, k // 2 if k > 1 else 0
-    if back == 0 and ahead == 0:
+    (k odd, 0 or 1: no centred part; the window is cut at the ends), where a key j before
+    i - k//2 counts at decay ** (i - k//2 - j) of its score: with spread 0, the k positions
+    centred on the key. Keys where ``fixed`` [n] (bool) is set (the sinks and the protected
+    pages) neither spread into their neighbours nor change."""
+    h = k // 2 if k > 1 else 0
+    if h == 0 and spread == 0:
         return s
     s = np.asarray(s, dtype=np.float64)
     n = s.shape[-1]
     src = s.copy()
     if fixed is not None:
         src[..., fixed] = 0.0
-    out = src.copy()
-    for d in range(1, min(back, n - 1) + 1):          # key i takes the score of key i - d
-        np.maximum(out[..., d:], src[..., :-d], out=out[..., d:])
-    for d in range(1, min(ahead, n - 1) + 1):         # ... and of key i + d
-        np.maximum(out[..., :-d], src[..., d:], out=out[..., :-d])
+    cen = src.copy()
+    for d in range(1, min(h, n - 1) + 1):             # the centred window: key i takes the scores of i -/+ d
+        np.maximum(cen[..., d:], src[..., :-d], out=cen[..., d:])
+        np.maximum(cen[..., :-d], src[..., d:], out=cen[..., :-d])
+    out = cen.copy()
+    for d in range(1, min(spread, n - 1) + 1):        # the spread: key i takes the window of key i - d, discounted
+        np.maximum(out[..., d:], cen[..., :-d] * decay ** d, out=out[..., d:])
     if fixed is not None:
         out[..., fixed] = s[..., fixed]
     return out
@@ -147,7 +151,7 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         fixed = np.zeros(n_s, dtype=bool)             # keys every buffer keeps: the protected pages (sinks included)
         for j in prot:
             fixed[j * P: (j + 1) * P] = True
-    s_proj = max_pool(s, cfg.pool, fixed, cfg.spread) if smooth else s
+    s_proj = max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay) if smooth else s
     st_proj = head_stats(s_proj, cfg.sinks, P) if smooth else st
 
     def token_dist(isolated: bool, x: np.ndarray = s, xs: HeadStats = st) -> np.ndarray:

@@ -23,7 +23,7 @@ from .._loader import ensure_llama_cpp
 llama_cpp = ensure_llama_cpp()
 
 _SETTINGS = ("budget", "page_size", "window", "sinks", "recent", "tau", "policy", "page_score", "pool", "spread",
-             "consensus", "entropy_region", "head_pool")
+             "decay", "consensus", "entropy_region", "head_pool")
 
 
 class EntroKVLlama(llama_cpp.Llama):
@@ -31,7 +31,7 @@ class EntroKVLlama(llama_cpp.Llama):
 
     Extra keyword arguments: the EvictionConfig settings (``budget``, ``page_size``,
     ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``, and entrokv-edge's
-    ``pool``, ``spread``, ``consensus``, ``entropy_region``, ``head_pool``) or
+    ``pool``, ``spread``, ``decay``, ``consensus``, ``entropy_region``, ``head_pool``) or
     ``eviction=EvictionConfig(...)``; ``logical_ctx`` (the longest conversation accepted,
     default: the model's training context); ``progress`` (a callable(done, total) called
     during long prefills); ``rpc_servers`` ("host:port" or a list: llama.cpp RPC servers
