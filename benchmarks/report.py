@@ -293,7 +293,8 @@ def variants_section(d, peers=None) -> str:
     peer_rows = [dict(r) for r in (peers or {}).get("data", {}).get("rows", [])
                  if r.get("budget", 0.2) == st.get("budget", 0.2) and r.get("kl_mean") is not None]
     peer_names = list(dict.fromkeys(r["config"] for r in peer_rows))
-    splits = [sp for sp in st.get("split_order", ("tune", "heldout", "heldout2")) if any(r["split"] == sp for r in rows)]
+    splits = [sp for sp in st.get("split_order", ("tune", "heldout", "heldout2", "heldout3"))
+              if any(r["split"] == sp for r in rows)]
     s = ["## 7. Beyond the paper: entrokv-edge\n\n",
          "`benchmarks/variants.py`: needle prompts at 20% with the question inside the observed window; per "
          "prompt the full cache's greedy answer is the reference, each configuration's own greedy answer is graded "
@@ -305,7 +306,8 @@ def variants_section(d, peers=None) -> str:
                      f"depths {v['depths']}" for k, v in st.get("all_splits", st.get("splits", {})).items())
          + ". The rules (benchmarks/variants.py): round 1 chose the defaults on tune and let heldout decide the "
          "default policy; heldout was read afterwards, so round 2 chose on tune + heldout and heldout2, run once "
-         "after that choice, decides. Commits of the rows: "
+         "after that choice, decided; heldout2 was read afterwards too, so round 3 chose on tune + heldout + "
+         "heldout2 and heldout3, run once after that choice, decides. Commits of the rows: "
          + "; ".join(f"{sp} `{', '.join(sorted({r.get('commit') or '?' for r in rows if r['split'] == sp}))}`"
                      for sp in splits) + ".\n\n"]
     if peer_rows:
