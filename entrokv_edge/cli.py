@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .controller import POLICIES, EvictionConfig
+from .controller.config import EDGE_DEFAULTS, OFF
 
 EXIT_USAGE = 2
 
@@ -42,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("-m", "--model", required=True, help="a .gguf file, or a registered name (entrokv-models list)")
     common.add_argument("--kv-cells", type=int, help="physical KV cache, in cells (default: the prompt fits)")
     common.add_argument("--budget", type=_budget, default=0.2, help="tokens kept per KV head: a fraction of the prompt or a count")
-    common.add_argument("--page-size", type=int, help="tokens per page (default 16)")
+    common.add_argument("--page-size", type=int, help=f"tokens per page (default {OFF['page_size']}; "
+                                                          f"entrokv-edge: {EDGE_DEFAULTS['page_size']})")
     common.add_argument("--window", type=int, default=32, help="observation window (last w prompt tokens)")
     common.add_argument("--sinks", type=int, default=4)
     common.add_argument("--recent", type=int, help="recent tokens always kept (default: the window)")

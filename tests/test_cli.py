@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from entrokv_edge.controller.config import EDGE_DEFAULTS
+
 ZEN_LINES = ["Beautiful is better than ugly.", "Explicit is better than implicit.", "Simple is better than complex.",
              "Complex is better than complicated.", "Flat is better than nested.", "Sparse is better than dense."]
 
@@ -47,8 +49,10 @@ def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc):
     common = ["run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 1024, "--json",
               "--max-tokens", 8]
     runs = {}
-    for extra in (["--policy", "page-entrokv"], ["--policy", "entrokv-edge"],
-                  ["--policy", "entrokv-edge", "--pool", 3, "--spread", 4, "--decay", 0.8, "--consensus", 0.5, "--entropy-region", "sinks"]):
+    P = EDGE_DEFAULTS["page_size"]          # entrokv-edge's default page size; the others at the same size
+    for extra in (["--policy", "page-entrokv", "--page-size", P], ["--policy", "entrokv-edge"],
+                  ["--policy", "entrokv-edge", "--page-size", P, "--pool", 3, "--spread", 4, "--decay", 0.8,
+                   "--consensus", 0.5, "--entropy-region", "sinks"]):
         rc, out, err = cli(*common, *extra)
         assert rc == 0, err
         runs[" ".join(map(str, extra))] = json.loads(out)
