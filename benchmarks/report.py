@@ -310,8 +310,8 @@ def variants_section(d, peers=None) -> str:
          + ". The rules (benchmarks/variants.py): round 1 chose the defaults on tune and let heldout decide the "
          "default policy; heldout was read afterwards, so round 2 chose on tune + heldout and heldout2, run once "
          "after that choice, decided; heldout2 was read afterwards too, so round 3 chose on tune + heldout + "
-         "heldout2 and heldout3, run once after that choice, decided; round 4 retested round 3's choice on heldout4 with "
-         "the answers counted where the full cache answers right. Commits of the rows: "
+         "heldout2 and heldout3, run once after that choice, decided; round 4 retested round 3's choice on "
+         "heldout4 with the answers counted where the full cache answers right. Commits of the rows: "
          + "; ".join(f"{sp} `{', '.join(sorted({r.get('commit') or '?' for r in rows if r['split'] == sp}))}`"
                      for sp in splits) + ".\n\n"]
     if peer_rows:

@@ -2,7 +2,7 @@
 presses, their answers graded as variants.py grades ours, and their KL(full || compressed) along
 the full cache's answer (nats, mean over the answer), the number issue 7 compares.
 
-    python benchmarks/variants_peers.py [--split tune|heldout|heldout2|both] [--lengths 2048 4096 8192]
+    python benchmarks/variants_peers.py [--split tune|heldout|heldout2|heldout3|heldout4|both] [--lengths 2048 4096 8192]
         [--models smollm2-135m [gemma3-270m]] [--systems kvpress-snapkv,...] [--budgets 0.2]
         [--depths ...] [--threads N] [--quick] [--out benchmarks/results/variants_peers.json]
 

@@ -141,8 +141,8 @@ def _settings(args) -> dict:
     try:
         cfg = EvictionConfig(budget=args.budget, page_size=args.page_size, window=args.window, sinks=args.sinks,
                              recent=args.recent, tau=args.tau, policy=args.policy, pool=args.pool,
-                             spread=args.spread, decay=args.decay, consensus=args.consensus, entropy_region=args.entropy_region,
-                             head_pool=args.head_pool)
+                             spread=args.spread, decay=args.decay, consensus=args.consensus,
+                             entropy_region=args.entropy_region, head_pool=args.head_pool)
     except ValueError as e:
         raise CLIError(str(e).replace("EvictionConfig: ", ""))
     return {"eviction": cfg}

@@ -13,7 +13,8 @@ from entrokv_edge.controller.config import EDGE_DEFAULTS
 from entrokv_edge.controller import select
 from entrokv_edge.controller.policies import consensus_pages, evictable_collision, group_pool, max_pool
 
-EDGE_OFF = dict(policy="entrokv-edge", pool=0, spread=0, consensus=0.0, entropy_region="sinks", head_pool="entropy")
+EDGE_OFF = dict(policy="entrokv-edge", pool=0, spread=0, decay=1.0, consensus=0.0, entropy_region="sinks",
+                head_pool="entropy")
 
 
 @settings(max_examples=60, deadline=None)
