@@ -353,12 +353,13 @@ def variants_section(d, peers=None) -> str:
                 x = {c: [r for r in allr if r["config"] == c and (r["model"], r["length"]) == (m, n)] for c in configs}
                 if not x.get(EDGE) or not x.get("full"):
                     continue
-                full_ok = sum(r["correct"] for r in x["full"])
-                edge_ok = sum(r["correct"] for r in x[EDGE])
+                full_right = {key(r) for r in x["full"] if r["correct"]}
+                full_ok = len(full_right)         # issue 7 counts the full cache's right answers kept
+                edge_ok = sum(bool(r["correct"]) and key(r) in full_right for r in x[EDGE])
                 kl = {c: _mean_kl(v) for c, v in x.items() if v}
                 others = [c for c in BASELINES + (OURS,) + tuple(peer_names) if c in kl]
                 worse = [c for c in others if kl[c] <= kl[EDGE]]
-                goal.append(f"{m} {n // 1024}k: {edge_ok} of the full cache's {full_ok} "
+                goal.append(f"{m} {n // 1024}k: {edge_ok} of the full cache's {full_ok} right answers kept "
                             f"({'>= 90%' if edge_ok >= 0.9 * full_ok else '< 90%'}), KL {kl[EDGE]:.3f} "
                             + (f"lower than {', '.join(others)}" if not worse else f"not lower than {', '.join(worse)}"))
             s.append("\nIssue 7's goal, per model and length: " + "; ".join(goal) + ".\n")

@@ -72,7 +72,7 @@ def main() -> int:
         with ek.Observation(llm, w) as obs:
             llm.eval(toks[n - w: n])
         s = obs.last.scores[:, :, :n]
-        cfg = ek.EvictionConfig(budget=0.2, window=w)
+        cfg = ek.EvictionConfig(budget=0.2, window=w, policy="page-entrokv")
         t_sel = median_seconds(lambda: select(s, 3, cfg), args.repeats)
         t_c = median_seconds(lambda: select_pages_native(s, 3, budget=int(0.2 * n)), args.repeats)
         assert llm._ctx.kv_cache_seq_rm(0, n - w, -1)

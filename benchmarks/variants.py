@@ -90,6 +90,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 import entrokv_edge as ek  # noqa: E402
+from entrokv_edge.controller.config import OFF  # noqa: E402
 
 import _harness as H  # noqa: E402
 import niah  # noqa: E402
@@ -97,8 +98,7 @@ from fidelity import _follow, _logp  # noqa: E402
 
 # name -> EvictionConfig settings (budget added per run). "edge:<opt>": entrokv-edge with that
 # one option on and the others off; "entrokv-edge": its defaults (EDGE_DEFAULTS).
-EDGE_OFF = dict(policy="entrokv-edge", pool=0, spread=0, decay=1.0, consensus=0.0, entropy_region="sinks",
-                head_pool="entropy")
+EDGE_OFF = dict(policy="entrokv-edge", **OFF)       # page size 16 and every option off: page-entrokv's settings
 CONFIGS = {
     "page-entrokv": dict(policy="page-entrokv"),
     "mean-pool": dict(policy="mean-pool"),
@@ -130,7 +130,7 @@ CONFIGS = {
     "edge:P4+rank+pool7+spread32+decay0.9": dict(EDGE_OFF, page_size=4, head_pool="rank", pool=7, spread=32, decay=0.9),
     "edge:a-priori": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable"),
     "edge:a-priori P8": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable", page_size=8),
-    "entrokv-edge": dict(policy="entrokv-edge"),      # its defaults (EDGE_DEFAULTS), chosen on the tune split
+    "entrokv-edge": dict(policy="entrokv-edge"),      # its defaults (EDGE_DEFAULTS), chosen by the rounds below
 }
 # the entrokv-edge candidates each round's rule chose among (see the docstring)
 ROUNDS = {

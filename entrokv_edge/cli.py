@@ -43,17 +43,20 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("-m", "--model", required=True, help="a .gguf file, or a registered name (entrokv-models list)")
     common.add_argument("--kv-cells", type=int, help="physical KV cache, in cells (default: the prompt fits)")
     common.add_argument("--budget", type=_budget, default=0.2, help="tokens kept per KV head: a fraction of the prompt or a count")
-    common.add_argument("--page-size", type=int, help=f"tokens per page (default {OFF['page_size']}; "
-                                                          f"entrokv-edge: {EDGE_DEFAULTS['page_size']})")
+    common.add_argument("--page-size", type=int, help=f"tokens per page (default: entrokv-edge "
+                                                          f"{EDGE_DEFAULTS['page_size']}, the other policies {OFF['page_size']})")
     common.add_argument("--window", type=int, default=32, help="observation window (last w prompt tokens)")
     common.add_argument("--sinks", type=int, default=4)
     common.add_argument("--recent", type=int, help="recent tokens always kept (default: the window)")
     common.add_argument("--tau", type=float, default=1.0)
     common.add_argument("--policy", choices=POLICIES, default="entrokv-edge",
                         help="default entrokv-edge (our variant); page-entrokv: the method as published")
-    common.add_argument("--pool", type=int, help="entrokv-edge: max-pooling width over key positions")
-    common.add_argument("--spread", type=int, help="entrokv-edge: keys after an attended key that share its score")
-    common.add_argument("--decay", type=float, help="entrokv-edge: the spread's discount per key, in (0, 1]")
+    common.add_argument("--pool", type=int, help=f"entrokv-edge: max-pooling width over key positions "
+                                                   f"(default {EDGE_DEFAULTS['pool']})")
+    common.add_argument("--spread", type=int, help=f"entrokv-edge: keys after an attended key that share its score "
+                        f"(default {EDGE_DEFAULTS['spread']})")
+    common.add_argument("--decay", type=float, help=f"entrokv-edge: the spread's discount per key, in (0, 1] "
+                        f"(default {EDGE_DEFAULTS['decay']})")
     common.add_argument("--consensus", type=float, help="entrokv-edge: share of free pages kept by every buffer")
     common.add_argument("--entropy-region", choices=("sinks", "evictable"), help="entrokv-edge: keys of the entropy")
     common.add_argument("--head-pool", choices=("entropy", "max", "rank"), help="entrokv-edge: pooling of a group's heads")

@@ -105,6 +105,26 @@ def test_saved_sessions_restore_the_same_logits_and_tables(model, tmp_path):
         c.load_session(path)
 
 
+def test_a_session_saved_before_an_option_existed_loads_with_it_off(model, tmp_path):
+    """A session from before ``decay`` existed (its settings lack the key) had no discount;
+    loading it must not switch on today's default (0.85) under its spread."""
+    import json
+    a = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS, spread=4, decay=0.5)
+    a.eval(prompt(300, 2))
+    path = tmp_path / "old.entrokv"
+    a.save_session(path)
+    z = dict(np.load(path))
+    meta = json.loads(bytes(z["meta"]).decode())
+    del meta["config"]["decay"]
+    z["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **z)
+    b = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+    b.load_session(path)
+    assert b.config.decay == 1.0 and b.config.spread == 4 and b.config.policy == "entrokv-edge"
+    assert np.array_equal(logits(a), logits(b))
+
+
 def test_settings_are_checked(model):
     with pytest.raises(ValueError, match="too small"):
         ek.EntroKVLlama(model, n_ctx=256, **{**SETTINGS, "budget": 192, "page_size": 64, "window": 64})

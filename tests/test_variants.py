@@ -9,12 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from entrokv_edge import EvictionConfig
-from entrokv_edge.controller.config import EDGE_DEFAULTS
+from entrokv_edge.controller.config import EDGE_DEFAULTS, EDGE_OPTIONS, OFF
 from entrokv_edge.controller import select
 from entrokv_edge.controller.policies import consensus_pages, evictable_collision, group_pool, max_pool
 
-EDGE_OFF = dict(policy="entrokv-edge", pool=0, spread=0, decay=1.0, consensus=0.0, entropy_region="sinks",
-                head_pool="entropy")
+EDGE_OFF = dict(policy="entrokv-edge", **{k: OFF[k] for k in EDGE_OPTIONS})     # every option off
 
 
 @settings(max_examples=60, deadline=None)
@@ -142,6 +141,58 @@ def test_decay_discounts_the_far_followers():
     assert decayed == [0, 11, 12, 13, 20, 24]
 
 
+def test_pooling_does_not_spread_the_sinks():
+    n = 64
+    s = np.full((1, 2, n), 0.01)
+    s[:, :, 0] = 50.0                                        # a sink that would flood its neighbours
+    fixed = np.arange(n) < 4
+    pooled = max_pool(s, 7, fixed)
+    assert (pooled[..., 4:] <= 0.01 + 1e-15).all() and pooled[0, 0, 0] == 50.0
+    s[:, :, n - 8:] = 30.0                                   # nor does the recent window (protected)
+    cfg = EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4, policy="entrokv-edge", pool=7,
+                         consensus=0.0, entropy_region="sinks", head_pool="entropy")
+    plain = select(s, 2, EvictionConfig(budget=6 * 8, page_size=8, window=8, sinks=4, policy="page-entrokv"))
+    assert np.array_equal(select(s, 2, cfg).pages, plain.pages)   # flat elsewhere: pooling changes nothing
+
+
+def test_consensus_keeps_a_page_every_buffer_ranks_third():
+    L, G, r, n, P = 3, 2, 2, 128, 8
+    rng = np.random.default_rng(0)
+    s = rng.random((L, G * r, n)) * 0.01
+    for l in range(L):
+        for g in range(G):
+            b = l * G + g                                       # each buffer's two own favourites
+            for own, extra in ((1 + b, 0.08), (7 + b, 0.07)):
+                s[l, g * r:(g + 1) * r, own * P:(own + 1) * P] += extra
+    s[:, :, 14 * P:15 * P] += 0.05                              # page 14: everybody's third choice
+    kw = dict(budget=4 * P, page_size=P, window=8, sinks=4)     # pages 0 and 15 protected, 2 free
+    base = select(s, r, EvictionConfig(**kw, **EDGE_OFF)).pages
+    cons = select(s, r, EvictionConfig(**kw, **{**EDGE_OFF, "consensus": 0.5})).pages
+    assert not (base == 14).any()
+    assert (cons == 14).all(axis=(0, 1)).any() and cons.shape == base.shape == (L, G, 4)
+    for l in range(L):                                          # the other free page: the buffer's favourite
+        for g in range(G):
+            assert cons[l, g].tolist() == sorted([0, 1 + l * G + g, 14, 15])
+
+
+def test_evictable_entropy_weights_the_retrieval_head_over_a_recent_focused_one():
+    """Head 0 attends sharply to the recent window (always kept anyway); head 1 to one old
+    token. Over the sinks-isolated keys head 0 looks the most concentrated; over the
+    evictable keys head 1 does, and its page is then kept."""
+    n, P = 256, 16
+    s = np.full((1, 2, n), 1e-4)
+    s[0, 0, n - 2:] += 2.0                                    # head 0: the last 2 tokens
+    s[0, 0, 64:80] += 0.05                                    # ... and a diffuse old page (4)
+    s[0, 1, 170] += 0.3                                       # head 1: the needle (page 10)
+    s[0, 1, n - 16:] += 0.04
+    s /= s.sum(-1, keepdims=True)
+    kw = dict(budget=3 * P, page_size=P, window=16, sinks=4)   # pages 0 and 15 protected: one free
+    method = select(s, 2, EvictionConfig(**kw, policy="page-entrokv"))
+    edge = select(s, 2, EvictionConfig(**kw, **{**EDGE_OFF, "entropy_region": "evictable"}))
+    assert method.weights[0, 0] > method.weights[0, 1] and 4 in method.pages[0, 0]
+    assert edge.weights[0, 1] > edge.weights[0, 0] and 10 in edge.pages[0, 0]
+
+
 @settings(max_examples=40, deadline=None)
 @given(r=st.sampled_from([1, 2, 3, 4]), P=st.sampled_from([1, 4, 8, 16]), n=st.integers(64, 600),
        mode=st.sampled_from(["sum", "max"]), seed=st.integers(0, 2**16))
@@ -242,7 +293,7 @@ def test_edge_options_are_validated_and_resolved():
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
         EvictionConfig(policy="max-pool", spread=20)
     assert EvictionConfig(policy="page-entrokv").spread == 0 and EvictionConfig(policy="entrokv-edge", spread=0).spread == 0
-    for bad in (0.0, 1.5, -0.2, True, "0.8"):
+    for bad in (0.0, 1.5, -0.2, True, "0.8", float("nan"), float("inf")):
         with pytest.raises(ValueError, match="decay must be a number in"):
             EvictionConfig(policy="entrokv-edge", decay=bad)
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):

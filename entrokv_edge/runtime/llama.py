@@ -18,6 +18,7 @@ import numpy as np
 from ..bindings import EntroKVError, geometry, restore, set_last_logits, true_positions, used_cells
 from ..bindings.observe import Observation, WindowScores
 from ..controller import EvictionConfig, EvictionResult, PageEntroKV
+from ..controller.config import EDGE_OPTIONS, OFF
 from .._loader import ensure_llama_cpp
 
 llama_cpp = ensure_llama_cpp()
@@ -225,6 +226,8 @@ class EntroKVLlama(llama_cpp.Llama):
         if meta["kv_cells"] != self.kv_cells:
             raise ValueError(f"{path} was saved with a {meta['kv_cells']}-cell cache, this one has {self.kv_cells}")
         n = int(meta["n_tokens"])
+        # options added after a session was saved did not exist then: off, not today's defaults
+        cfg = EvictionConfig(**{**{k: OFF[k] for k in EDGE_OPTIONS}, **meta["config"]})
         raw = z["llama_state"]
         buf = (llama_cpp.ctypes.c_uint8 * raw.size).from_buffer_copy(raw.tobytes())
         if llama_cpp.llama_state_set_data(self.ctx, buf, raw.size) != raw.size:
@@ -235,7 +238,7 @@ class EntroKVLlama(llama_cpp.Llama):
         if z["logits"].size:
             set_last_logits(self, z["logits"])
         self._requires_eval = z["logits"].size == 0
-        self.controller = PageEntroKV(EvictionConfig(**meta["config"]))
+        self.controller = PageEntroKV(cfg)
         if meta["n_compacted"]:
             restore(self, z["true_pos"])
         self._window_scores = None
