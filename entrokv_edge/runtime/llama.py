@@ -9,6 +9,7 @@ compacted cells (the native code refuses it), and an edited history is re-evalua
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
@@ -23,8 +24,7 @@ from .._loader import ensure_llama_cpp
 
 llama_cpp = ensure_llama_cpp()
 
-_SETTINGS = ("budget", "page_size", "window", "sinks", "recent", "tau", "policy", "page_score", "pool", "spread",
-             "decay", "consensus", "entropy_region", "head_pool")
+_SETTINGS = tuple(f.name for f in dataclasses.fields(EvictionConfig))     # every setting, one list
 
 
 class EntroKVLlama(llama_cpp.Llama):
