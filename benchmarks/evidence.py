@@ -169,7 +169,8 @@ def main(argv=None) -> int:
             data = {"rows": rows, "summary": fidelity.summary(rows)}
         elif part == "speed":
             s = speed.QUICK if args.quick else speed.FULL
-            data = speed.run("smollm2-135m", s["lengths"], s["long"], s["long_cells"], s["long_budget"], log=log)
+            data = speed.run("smollm2-135m", s["lengths"], s["long"], s["long_cells"], s["long_budget"], s["repeats"],
+                             log=log)
         else:
             s = {"threads": args.threads}
             data = run_peers(args.quick, args.threads, log=log)

@@ -16,6 +16,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 OURS = "page-entrokv"
 BASELINES = ("mean-pool", "max-pool", "head-independent", "no-isolation", "streaming")
 
@@ -173,30 +175,57 @@ def fidelity_section(d) -> str:
 
 
 def speed_section(d) -> str:
-    rows = d["data"]
+    rows = [{**r, "mode": "page-entrokv" if r["mode"] == "entrokv" else r["mode"], "rep": r.get("rep", 0)}
+            for r in d["data"]]                      # rows before entrokv-edge was measured: one policy, one round
     mib = 2 ** 20
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    policies = [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "plain"]
+    reps = max(r["rep"] for r in rows) + 1
     s = ["## 5. Speed and memory (SmolLM2-135M-Instruct)\n",
-         "Each row is its own process; peak RSS is that process's. \"entrokv\": EntroKVLlama (page-entrokv) with the last 32 tokens "
-         "observed and an eviction to the budget (20%, or the token budget of the long run).\n\n"]
-    s.append(_table(["run", "cache", "tokens", "cells", "prefill s", "prefill tok/s", "decode tok/s",
-                     "KV allocated MiB", "KV held MiB", "peak RSS MiB"],
-                    [[r["part"], r["mode"], r["tokens"], r["kv_cells"], r["prefill_s"], r["prefill_tok_s"],
-                      r["decode_tok_s"], r["kv_bytes_allocated"] / mib, r["kv_bytes_held"] / mib, r["peak_rss_mib"]]
-                     for r in rows]))
+         "Each run is its own process; peak RSS is that process's. Rows: a plain llama.cpp cache, and EntroKVLlama "
+         f"with each policy ({', '.join(policies)}), the last 32 tokens observed and an eviction to the budget (20%, "
+         f"or the token budget of the long run). Prefill runs: {reps} round(s), each running every cache in turn; "
+         "the table shows medians over the rounds; the long run ran once.\n\n"]
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["part"], r["tokens"], r["mode"])].append(r)
+    table = []
+    for (part, n, mode), rs in groups.items():
+        table.append([part, mode, n, rs[0]["kv_cells"], len(rs), med([r["prefill_s"] for r in rs]),
+                      med([r["prefill_tok_s"] for r in rs]), med([r["decode_tok_s"] for r in rs]),
+                      med([r["eviction_s"] for r in rs]) if mode != "plain" and "eviction_s" in rs[0] else "",
+                      rs[0]["kv_bytes_allocated"] / mib, med([r["kv_bytes_held"] for r in rs]) / mib,
+                      med([r["peak_rss_mib"] for r in rs])])
+    s.append(_table(["run", "cache", "tokens", "cells", "runs", "prefill s", "prefill tok/s", "decode tok/s",
+                     "eviction s", "KV allocated MiB", "KV held MiB", "peak RSS MiB"], table))
     s.append("\n")
     for n in sorted({r["tokens"] for r in rows if r["part"] == "prefill"}):
-        p = next(r for r in rows if r["part"] == "prefill" and r["tokens"] == n and r["mode"] == "plain")
-        e = next(r for r in rows if r["part"] == "prefill" and r["tokens"] == n and r["mode"] == "entrokv")
-        s.append(f"- {n} tokens: scoring + eviction add {100 * (e['prefill_s'] - p['prefill_s']) / p['prefill_s']:+.1f}% "
-                 f"to the prefill (run-to-run noise here is several %); decoding after it runs at "
-                 f"{e['decode_tok_s'] / p['decode_tok_s']:.2f}x the full cache's speed with "
-                 f"{e['kv_bytes_held'] / max(1, p['kv_bytes_held']):.2f}x its KV bytes held.\n")
-    lo = [r for r in rows if r["part"] == "long"]
-    if len(lo) == 2:
-        e, p = (next(r for r in lo if r["mode"] == m) for m in ("entrokv", "plain"))
-        s.append(f"- {e['tokens']} tokens through {e['kv_cells']} cells ({e.get('evictions', 0)} evictions): KV "
-                 f"allocated {e['kv_bytes_allocated'] / mib:.1f} MiB vs {p['kv_bytes_allocated'] / mib:.1f} MiB for the "
-                 f"full cache ({p['kv_bytes_allocated'] / e['kv_bytes_allocated']:.1f}x less), peak RSS "
+        plain = {r["rep"]: r for r in groups[("prefill", n, "plain")]}
+        for pol in policies:
+            pairs = [(plain[r["rep"]], r) for r in groups[("prefill", n, pol)] if r["rep"] in plain]
+            if not pairs:
+                continue
+            over = [100 * (e["prefill_s"] - p["prefill_s"]) / p["prefill_s"] for p, e in pairs]
+            ev = [e["eviction_s"] for _, e in pairs if "eviction_s" in e]
+            ev_txt = (f"; the eviction itself took {med(ev):.2f} s ({100 * med(ev) / med([p['prefill_s'] for p, _ in pairs]):.1f}% "
+                      "of the plain prefill)") if ev else ""
+            s.append(f"- {n} tokens, {pol}: observation and eviction added {med(over):+.1f}% to the plain prefill's "
+                     f"time (median of {len(pairs)} paired round(s): {', '.join(f'{x:+.0f}%' for x in over)})"
+                     f"{ev_txt}; decoding after it runs at "
+                     f"{med([e['decode_tok_s'] / p['decode_tok_s'] for p, e in pairs]):.2f}x the full cache's speed "
+                     f"with {med([e['kv_bytes_held'] / max(1, p['kv_bytes_held']) for p, e in pairs]):.2f}x its KV "
+                     "bytes held.\n")
+    lo = {r["mode"]: r for r in rows if r["part"] == "long"}
+    p = lo.get("plain")
+    for pol in policies:
+        e = lo.get(pol)
+        if e is None or p is None:
+            continue
+        ev_txt = f", evictions {e['eviction_s']:.1f} s in all" if "eviction_s" in e else ""
+        s.append(f"- {e['tokens']} tokens through {e['kv_cells']} cells, {pol} ({e.get('evictions', 0)} evictions"
+                 f"{ev_txt}): KV allocated {e['kv_bytes_allocated'] / mib:.1f} MiB vs "
+                 f"{p['kv_bytes_allocated'] / mib:.1f} MiB for the full cache "
+                 f"({p['kv_bytes_allocated'] / e['kv_bytes_allocated']:.1f}x less), peak RSS "
                  f"{e['peak_rss_mib']:.0f} vs {p['peak_rss_mib']:.0f} MiB, prefill {e['prefill_tok_s']:.0f} vs "
                  f"{p['prefill_tok_s']:.0f} tok/s, decode {e['decode_tok_s']:.1f} vs {p['decode_tok_s']:.1f} tok/s.\n")
     return "".join(s)

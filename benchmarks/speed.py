@@ -1,15 +1,19 @@
-"""Speed and memory: a full cache against Page-EntroKV at 20%, side by side.
+"""Speed and memory: a full cache against EntroKVLlama at 20%, side by side.
 
-    python benchmarks/speed.py [--quick] [--model smollm2-135m] [--json out.json]
+    python benchmarks/speed.py [--quick] [--model smollm2-135m] [--repeats 3]
+                               [--policies page-entrokv entrokv-edge] [--json out.json]
 
 Every measurement runs in its own process (its peak RSS is the process's), on the same
-real text (the essays, concatenated):
+real text (the essays, concatenated), for each evicting policy (the method, page-entrokv,
+and the default, entrokv-edge):
 - prefill of N = 2k/4k/8k tokens with a plain llama.cpp cache, and with EntroKVLlama
   (same cache size, the last 32 tokens observed, then evicted to 20%): the overhead of
-  scoring and compaction as a share of the plain prefill; then 32 greedy tokens decoded
-  on each cache (full vs 20%);
+  scoring and compaction as a share of the plain prefill, and the eviction's own wall
+  time; then 32 greedy tokens decoded on each cache (full vs 20%). ``--repeats`` rounds,
+  each running plain and every policy in turn, so that drift on a shared machine hits
+  them alike (the report takes medians);
 - a prompt of 16k tokens through a 2048-cell EntroKVLlama cache (budget 1024) against the
-  full 16k cache.
+  full 16k cache (once).
 KV bytes: what llama.cpp allocated for the cache, and what the page accounting says is
 held after the last eviction.
 """
@@ -23,8 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-FULL = dict(lengths=[2048, 4096, 8192], long=16384, long_cells=2048, long_budget=1024)
-QUICK = dict(lengths=[512], long=2048, long_cells=512, long_budget=256)
+FULL = dict(lengths=[2048, 4096, 8192], long=16384, long_cells=2048, long_budget=1024, repeats=3)
+QUICK = dict(lengths=[512], long=2048, long_cells=512, long_budget=256, repeats=1)
+POLICIES = ("page-entrokv", "entrokv-edge")
 
 
 def _peak_rss_mib() -> float:
@@ -52,7 +57,7 @@ def _one(spec: dict) -> dict:
         llm = ek.llama_cpp.Llama(path, n_ctx=spec["cells"], n_batch=512, verbose=False, seed=0,
                                  n_threads=H.threads(), n_threads_batch=H.threads())
     else:
-        llm = ek.EntroKVLlama(path, n_ctx=spec["cells"], n_batch=512, budget=spec["budget"], policy="page-entrokv",
+        llm = ek.EntroKVLlama(path, n_ctx=spec["cells"], n_batch=512, budget=spec["budget"], policy=spec["mode"],
                               verbose=False, seed=0,
                               logical_ctx=spec["tokens"] + 256, n_threads=H.threads(), n_threads_batch=H.threads())
     t0 = time.perf_counter()
@@ -66,10 +71,10 @@ def _one(spec: dict) -> dict:
            "kv_bytes_allocated": g.kv_size * g.bytes_per_cell, "kv_cells": g.kv_size,
            "kv_bytes_held": g.n_used * g.bytes_per_cell,
            "peak_rss_mib": _peak_rss_mib()}
-    if spec["mode"] == "entrokv":
+    if spec["mode"] != "plain":
         rep = llm.kv_report()
-        out.update(evictions=rep["evictions"], kept_tokens=rep["kept_tokens"], kv_bytes_full=rep["kv_bytes_full"],
-                   kv_bytes_kept=rep["kv_bytes_kept"])
+        out.update(evictions=rep["evictions"], eviction_s=rep["eviction_s"], kept_tokens=rep["kept_tokens"],
+                   kv_bytes_full=rep["kv_bytes_full"], kv_bytes_kept=rep["kv_bytes_kept"])
     llm.close()
     return out
 
@@ -82,20 +87,26 @@ def measure(spec: dict) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run(model: str, lengths, long: int, long_cells: int, long_budget: int, log=print) -> list[dict]:
+def run(model: str, lengths, long: int, long_cells: int, long_budget: int, repeats: int = 1,
+        policies=POLICIES, log=print) -> list[dict]:
+    """Rows: one per process; ``mode`` is "plain" or the evicting policy, ``rep`` the round."""
     rows = []
     for n in lengths:
         cells = -(-(n + 64) // 256) * 256
-        for mode in ("plain", "entrokv"):
-            rows.append(measure({"part": "prefill", "model": model, "mode": mode, "tokens": n, "cells": cells,
-                                 "budget": 0.2}))
-        p, e = rows[-2], rows[-1]
-        log(f"speed {model} {n}: prefill {p['prefill_s']:.1f} s plain, {e['prefill_s']:.1f} s with eviction; "
-            f"decode {p['decode_tok_s']:.1f} vs {e['decode_tok_s']:.1f} tok/s")
-    rows.append(measure({"part": "long", "model": model, "mode": "entrokv", "tokens": long, "cells": long_cells,
-                         "budget": long_budget}))
+        for rep in range(repeats):
+            got = {}
+            for mode in ("plain", *policies):
+                got[mode] = measure({"part": "prefill", "model": model, "mode": mode, "tokens": n, "cells": cells,
+                                     "budget": 0.2, "rep": rep})
+                rows.append(got[mode])
+            log(f"speed {model} {n} round {rep + 1}/{repeats}: prefill " + ", ".join(
+                f"{m} {r['prefill_s']:.1f} s" for m, r in got.items()) + "; decode " + ", ".join(
+                f"{r['decode_tok_s']:.1f}" for r in got.values()) + " tok/s")
+    for mode in policies:
+        rows.append(measure({"part": "long", "model": model, "mode": mode, "tokens": long, "cells": long_cells,
+                             "budget": long_budget, "rep": 0}))
     rows.append(measure({"part": "long", "model": model, "mode": "plain", "tokens": long,
-                         "cells": -(-(long + 64) // 256) * 256, "budget": None}))
+                         "cells": -(-(long + 64) // 256) * 256, "budget": None, "rep": 0}))
     log(f"speed {model} long {long}: done")
     return rows
 
@@ -104,6 +115,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, help="rounds of the prefill runs (default: 3, --quick: 1)")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--json")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -111,9 +124,12 @@ def main(argv=None) -> int:
         print(json.dumps(_one(json.loads(args.one))))
         return 0
     g = QUICK if args.quick else FULL
-    rows = run(args.model, g["lengths"], g["long"], g["long_cells"], g["long_budget"])
+    repeats = g["repeats"] if args.repeats is None else args.repeats
+    if repeats < 1:
+        ap.error("--repeats must be at least 1")
+    rows = run(args.model, g["lengths"], g["long"], g["long_cells"], g["long_budget"], repeats, args.policies)
     for r in rows:
-        print(f"{r['part']:7} {r['mode']:7} {r['tokens']:6d} tokens, {r['kv_cells']:6d} cells: prefill "
+        print(f"{r['part']:7} {r['mode']:12} {r['tokens']:6d} tokens, {r['kv_cells']:6d} cells: prefill "
               f"{r['prefill_tok_s']:6.0f} tok/s, decode {r['decode_tok_s']:5.1f} tok/s, KV allocated "
               f"{r['kv_bytes_allocated'] / 2**20:6.1f} MiB, held {r['kv_bytes_held'] / 2**20:6.1f} MiB, "
               f"peak RSS {r['peak_rss_mib']:.0f} MiB")

@@ -76,8 +76,10 @@ def test_fidelity_and_speed_measured(quick):
     assert all(r["kl_mean"] >= 0 and 0 <= r["agreement"] <= 1 for r in f)
     s = json.loads((quick / "speed.json").read_text())["data"]
     long = {r["mode"]: r for r in s if r["part"] == "long"}
-    assert long["entrokv"]["evictions"] >= 1
-    assert long["entrokv"]["kv_bytes_allocated"] < long["plain"]["kv_bytes_allocated"]
+    assert set(long) == {"plain", "page-entrokv", "entrokv-edge"}     # the method and the default policy
+    for pol in ("page-entrokv", "entrokv-edge"):
+        assert long[pol]["evictions"] >= 1 and long[pol]["eviction_s"] > 0
+        assert long[pol]["kv_bytes_allocated"] < long["plain"]["kv_bytes_allocated"]
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,12 @@ def prompt(n, seed=0):
 
 def test_a_prompt_four_times_the_cache_runs_and_generation_never_overflows(model):
     llm = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+    assert llm.kv_report()["evictions"] == 0 and llm.kv_report()["eviction_s"] == 0.0
     toks = prompt(1000)
     llm.eval(toks)
     rep = llm.kv_report()
     assert llm.n_tokens == 1000 and rep["logical_tokens"] == 1000 and llm.n_evictions >= 4
+    assert rep["evictions"] == llm.n_evictions and rep["eviction_s"] > 0
     assert rep["kept_tokens"] == 64 == ek.geometry(llm).n_used                 # the budget, exactly
     assert rep["kv_bytes_kept"] * 1000 == rep["kv_bytes_full"] * 64
     tp = ek.true_positions(llm)[:, :64]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -68,6 +69,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self._window_scores: WindowScores | None = None
         self.last_eviction: EvictionResult | None = None
         self.n_evictions = 0
+        self.eviction_s = 0.0          # wall time spent in evictions (scoring, selection, compaction)
 
     def close(self) -> None:
         # a constructor that refused its arguments never reached Llama.__init__
@@ -104,7 +106,9 @@ class EntroKVLlama(llama_cpp.Llama):
         N = self._budget_pages(n) if n_keep is None else n_keep
         if self.config.policy == "full":
             raise ValueError("the full policy never evicts: the cache is too small for this conversation")
+        t0 = time.perf_counter()
         res = self.controller.evict(self, scores, n_keep=N)
+        self.eviction_s += time.perf_counter() - t0
         if res.metrics["kept_tokens"] > self.kv_cells - self.config.window:
             raise EntroKVError(-5, f"policy {self.config.policy} kept {res.metrics['kept_tokens']} tokens, "
                                    f"more than the cache ({self.kv_cells} cells) can hold with room to go on")
@@ -177,7 +181,8 @@ class EntroKVLlama(llama_cpp.Llama):
     # --- reports and sessions -----------------------------------------------------------
 
     def kv_report(self) -> dict:
-        """KV memory of a full cache for the logical length vs what the cache holds now, per layer."""
+        """KV memory of a full cache for the logical length vs what the cache holds now, per layer;
+        the evictions so far and the wall time they took (``eviction_s``)."""
         g = geometry(self)
         layers = [{"il": l.il, "bytes_full": self.n_tokens * (l.k_bytes_per_cell + l.v_bytes_per_cell),
                    "bytes_held": g.n_used * (l.k_bytes_per_cell + l.v_bytes_per_cell)} for l in g.layers]
@@ -185,6 +190,7 @@ class EntroKVLlama(llama_cpp.Llama):
                 "kv_bytes_full": sum(x["bytes_full"] for x in layers),
                 "kv_bytes_kept": sum(x["bytes_held"] for x in layers),
                 "kv_bytes_allocated": g.kv_size * g.bytes_per_cell, "evictions": self.n_evictions,
+                "eviction_s": self.eviction_s,
                 "layers": layers}
 
     def save_session(self, path: str | Path, extra: dict | None = None) -> None:
