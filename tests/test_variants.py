@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from entrokv_edge import EvictionConfig
 from entrokv_edge.controller.config import EDGE_DEFAULTS, EDGE_OPTIONS, OFF
 from entrokv_edge.controller import select
-from entrokv_edge.controller.policies import consensus_pages, evictable_collision, group_pool, max_pool
+from entrokv_edge.controller import policies
+from entrokv_edge.controller.policies import consensus_pages, evictable_collision, group_pool, max_pool, pooled_stats
+from entrokv_edge.controller.stats import head_stats
 
 EDGE_OFF = dict(policy="entrokv-edge", **{k: OFF[k] for k in EDGE_OPTIONS})     # every option off
 
@@ -86,15 +88,21 @@ def test_pooling_keeps_both_pages_of_a_straddling_fact():
 
 @settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 90), k=st.sampled_from([0, 1, 3, 7, 15]), spread=st.integers(0, 25),
-       decay=st.sampled_from([1.0, 0.9, 0.5]), seed=st.integers(0, 2**16))
-def test_max_pool_is_the_window_maximum(n, k, spread, decay, seed):
+       decay=st.sampled_from([1.0, 0.9, 0.5]), chunk=st.sampled_from([1 << 18, 1, 100]),
+       seed=st.integers(0, 2**16))
+def test_max_pool_is_the_window_maximum(n, k, spread, decay, chunk, seed):
     """max_pool against its definition, key by key: the maximum over [i - k//2 - spread,
     i + k//2] of the scores outside the fixed keys, a key j before i - k//2 discounted by
-    decay ** (i - k//2 - j); fixed keys keep their own score."""
+    decay ** (i - k//2 - j); fixed keys keep their own score. Whatever rows it works on
+    at once (chunk: one row, a few, all)."""
     rng = np.random.default_rng(seed)
     s = rng.random((2, 3, n))
     fixed = rng.random(n) < 0.2
-    out = max_pool(s, k, fixed, spread, decay)
+    saved, policies._POOL_CHUNK = policies._POOL_CHUNK, chunk
+    try:
+        out = max_pool(s, k, fixed, spread, decay)
+    finally:
+        policies._POOL_CHUNK = saved
     half = k // 2 if k > 1 else 0
     src = np.where(fixed, 0.0, s)
     for i in range(n):
@@ -104,6 +112,21 @@ def test_max_pool_is_the_window_maximum(n, k, spread, decay, seed):
         np.testing.assert_allclose(out[..., i], want, rtol=1e-12, atol=0)
         if decay == 1.0:
             assert np.array_equal(out[..., i], want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 4), n=st.integers(1, 200), P=st.sampled_from([1, 4, 16]), seed=st.integers(0, 999))
+def test_pooled_stats_layer_by_layer_equal_the_stats_of_the_pooled_scores(L, n, P, seed):
+    """select's memory-lean path (one layer pooled at a time) gives what pooling all of s,
+    then taking its statistics, gives (to the last bits a BLAS sum over fewer rows may change)."""
+    rng = np.random.default_rng(seed)
+    s = rng.random((L, 6, n)) ** 4
+    fixed = rng.random(n) < 0.1
+    cfg = EvictionConfig(policy="entrokv-edge", page_size=P, window=1, recent=1)
+    got, want = pooled_stats(s, cfg, fixed), head_stats(max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay), cfg.sinks, P)
+    for f in dataclasses.fields(want):
+        np.testing.assert_allclose(getattr(got, f.name), getattr(want, f.name), rtol=1e-13, atol=1e-300,
+                                   err_msg=f.name)
 
 
 def test_spread_keeps_the_pages_after_an_attended_key():

@@ -7,6 +7,7 @@ which keeps the union of its heads' choices padded to the largest union.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -45,17 +46,32 @@ def _token_page_max(x: np.ndarray, P: int) -> np.ndarray:
     return page_scores(x, P, "max")
 
 
+_POOL_CHUNK = 1 << 18     # float64 elements max_pool works on at once (2 MiB), so its copies stay small
+
+
 def max_pool(s: np.ndarray, k: int, fixed: np.ndarray | None = None, spread: int = 0,
              decay: float = 1.0) -> np.ndarray:
     """[..., n]: the maximum of s over the window [i - k//2 - spread, i + k//2] of each key i
     (k odd, 0 or 1: no centred part; the window is cut at the ends), where a key j before
     i - k//2 counts at decay ** (i - k//2 - j) of its score: with spread 0, the k positions
     centred on the key. Keys where ``fixed`` [n] (bool) is set (the sinks and the protected
-    pages) neither spread into their neighbours nor change."""
+    pages) neither spread into their neighbours nor change. Works on a few rows of s at a
+    time: besides the result, memory stays within a few chunks of _POOL_CHUNK elements."""
     h = k // 2 if k > 1 else 0
     if h == 0 and spread == 0:
         return s
     s = np.asarray(s, dtype=np.float64)
+    n = s.shape[-1]
+    flat = s.reshape(-1, n)
+    out = np.empty_like(flat)
+    step = max(1, _POOL_CHUNK // max(n, 1))
+    for a in range(0, flat.shape[0], step):
+        out[a: a + step] = _max_pool_rows(flat[a: a + step], h, fixed, spread, decay)
+    return out.reshape(s.shape)
+
+
+def _max_pool_rows(s: np.ndarray, h: int, fixed, spread: int, decay: float) -> np.ndarray:
+    """max_pool on rows s [m, n] (float64) with half-width h."""
     n = s.shape[-1]
     src = s.copy()
     if fixed is not None:
@@ -70,6 +86,23 @@ def max_pool(s: np.ndarray, k: int, fixed: np.ndarray | None = None, spread: int
     if fixed is not None:
         out[..., fixed] = s[..., fixed]
     return out
+
+
+def pooled_stats(s: np.ndarray, cfg: EvictionConfig, fixed: np.ndarray | None) -> HeadStats:
+    """head_stats of max_pool(s) [L, H, n], one layer at a time: the pooled scores never
+    exist whole (a copy of s per eviction, 34 MiB for SmolLM2 at 16k positions)."""
+    out = {}
+    for l in range(s.shape[0]):
+        st = head_stats(max_pool(s[l: l + 1], cfg.pool, fixed, cfg.spread, cfg.decay), cfg.sinks, cfg.page_size)
+        for f in dataclasses.fields(HeadStats):
+            x = getattr(st, f.name)
+            if f.name == "uniform_pages":      # the same for every layer
+                out[f.name] = x
+                continue
+            if f.name not in out:
+                out[f.name] = np.empty((s.shape[0], *x.shape[1:]), dtype=x.dtype)
+            out[f.name][l] = x[0]
+    return HeadStats(**out)
 
 
 def evictable_collision(s: np.ndarray, region: np.ndarray) -> np.ndarray:
@@ -95,11 +128,13 @@ def group_pool(hd: np.ndarray, how: str, protected=()) -> np.ndarray:
     if how == "max":
         return mx
     n_pages = hd.shape[-1]
-    key = hd.astype(np.float64, copy=True)
-    key[..., list(protected)] = -np.inf
-    order = np.argsort(-key, axis=-1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(n_pages), axis=-1)
+    key = np.negative(hd, dtype=np.float64)          # ascending order of -share: best page first
+    key[..., list(protected)] = np.inf
+    order = np.argsort(key, axis=-1, kind="stable")
+    del key
+    rank = np.empty(order.shape, dtype=np.int32)
+    np.put_along_axis(rank, order, np.arange(n_pages, dtype=np.int32), axis=-1)
+    del order
     best = rank.min(axis=2).astype(np.float64)
     return -best + 0.5 * mx / (mx.max(axis=-1, keepdims=True) + 1e-300)
 
@@ -151,8 +186,11 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         fixed = np.zeros(n_s, dtype=bool)             # keys every buffer keeps: the protected pages (sinks included)
         for j in prot:
             fixed[j * P: (j + 1) * P] = True
-    s_proj = max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay) if smooth else s
-    st_proj = head_stats(s_proj, cfg.sinks, P) if smooth else st
+    if smooth and mode == "sum":  # page sums need only the pooled scores' statistics: layer by layer
+        s_proj, st_proj = None, pooled_stats(s, cfg, fixed)
+    else:
+        s_proj = max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay) if smooth else s
+        st_proj = head_stats(s_proj, cfg.sinks, P) if smooth else st
 
     def token_dist(isolated: bool, x: np.ndarray = s, xs: HeadStats = st) -> np.ndarray:
         """[L, H, n] head distributions of x (only the max page score needs them)."""
@@ -185,6 +223,7 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         if cfg.head_pool != "entropy":      # entrokv-edge: the group's heads pooled by max or by rank
             hd = head_page_dist(st_proj, isolated) if mode == "sum" else \
                 _token_page_max(token_dist(isolated, s_proj, st_proj), P)
+            s_proj = st_proj = None         # only hd is needed from here: free their memory first
             pi = group_pool(hd.reshape(L, G, r, n_pages), cfg.head_pool, prot)
         elif mode == "sum":
             pi = np.einsum("lgrp,lgr->lgp", head_page_dist(st_proj, isolated).reshape(L, G, r, n_pages),
