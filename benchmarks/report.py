@@ -180,7 +180,7 @@ def speed_section(d) -> str:
     mib = 2 ** 20
     med = lambda xs: float(np.median(xs))  # noqa: E731
     policies = [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "plain"]
-    reps = max(r["rep"] for r in rows) + 1
+    reps = max((r["rep"] for r in rows), default=0) + 1
     s = ["## 5. Speed and memory (SmolLM2-135M-Instruct)\n",
          "Each run is its own process; peak RSS is that process's. Rows: a plain llama.cpp cache, and EntroKVLlama "
          f"with each policy ({', '.join(policies)}), the last 32 tokens observed and an eviction to the budget (20%, "
@@ -193,7 +193,7 @@ def speed_section(d) -> str:
     for (part, n, mode), rs in groups.items():
         table.append([part, mode, n, rs[0]["kv_cells"], len(rs), med([r["prefill_s"] for r in rs]),
                       med([r["prefill_tok_s"] for r in rs]), med([r["decode_tok_s"] for r in rs]),
-                      med([r["eviction_s"] for r in rs]) if mode != "plain" and "eviction_s" in rs[0] else "",
+                      med(ev) if (ev := [r["eviction_s"] for r in rs if "eviction_s" in r]) else "",
                       rs[0]["kv_bytes_allocated"] / mib, med([r["kv_bytes_held"] for r in rs]) / mib,
                       med([r["peak_rss_mib"] for r in rs])])
     s.append(_table(["run", "cache", "tokens", "cells", "runs", "prefill s", "prefill tok/s", "decode tok/s",

@@ -10,8 +10,8 @@ and the default, entrokv-edge):
   (same cache size, the last 32 tokens observed, then evicted to 20%): the overhead of
   scoring and compaction as a share of the plain prefill, and the eviction's own wall
   time; then 32 greedy tokens decoded on each cache (full vs 20%). ``--repeats`` rounds,
-  each running plain and every policy in turn, so that drift on a shared machine hits
-  them alike (the report takes medians);
+  each running plain and every policy in turn, each round starting with the next one, so
+  that drift on a shared machine and the order hit them alike (the report takes medians);
 - a prompt of 16k tokens through a 2048-cell EntroKVLlama cache (budget 1024) against the
   full 16k cache (once).
 KV bytes: what llama.cpp allocated for the cache, and what the page accounting says is
@@ -94,14 +94,14 @@ def run(model: str, lengths, long: int, long_cells: int, long_budget: int, repea
     for n in lengths:
         cells = -(-(n + 64) // 256) * 256
         for rep in range(repeats):
-            got = {}
-            for mode in ("plain", *policies):
+            got, modes = {}, ["plain", *policies]
+            for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:     # each round starts elsewhere
                 got[mode] = measure({"part": "prefill", "model": model, "mode": mode, "tokens": n, "cells": cells,
                                      "budget": 0.2, "rep": rep})
                 rows.append(got[mode])
             log(f"speed {model} {n} round {rep + 1}/{repeats}: prefill " + ", ".join(
-                f"{m} {r['prefill_s']:.1f} s" for m, r in got.items()) + "; decode " + ", ".join(
-                f"{r['decode_tok_s']:.1f}" for r in got.values()) + " tok/s")
+                f"{m} {got[m]['prefill_s']:.1f} s" for m in modes) + "; decode " + ", ".join(
+                f"{got[m]['decode_tok_s']:.1f}" for m in modes) + " tok/s")
     for mode in policies:
         rows.append(measure({"part": "long", "model": model, "mode": mode, "tokens": long, "cells": long_cells,
                              "budget": long_budget, "rep": 0}))

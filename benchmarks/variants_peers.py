@@ -13,8 +13,9 @@ part of what kvpress compresses, as it is part of the observed window in variant
 0.2, up to 24 answer tokens, with "kl" on. The full cache's reference and the KL are kvpress's
 own: greedy decoding on kvpress's uncompressed cache of the same prompt, then each press's
 next-token distributions teacher-forced along it (see peers.py). Rows: variants.json's keys
-where they apply (config = the peer system's name), merged into --out per (model, split,
-config, budget) like variants.py merges its own.
+where they apply (config = the peer system's name), merged into --out per (model, split, length, depth, config,
+budget): a rerun replaces the rows it produces again and keeps the rest. Each row carries its
+own commit; the file's meta (settings, date) is the last run's.
 
 Gemma 3 270M: transformers (5.2) reads the GGUF's weights (its logits match llama.cpp's) but
 turns its SentencePiece-BPE tokenizer into a Unigram one that splits words wrongly
@@ -140,6 +141,12 @@ def summarize(rows: list[dict], log=print) -> None:
             f"variants_peers {m} {s} {cfg} b={b:g}: no KL ({rs[0]['skipped'] or rs[0]['kl_note']})")
 
 
+def row_key(r: dict) -> tuple:
+    """One prompt's row of one press: a rerun replaces exactly the rows it produced again
+    (a run at some lengths or depths keeps the others)."""
+    return r["model"], r["split"], r["length"], r["depth"], r["config"], r["budget"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="lengths 1024 only")
@@ -184,8 +191,7 @@ def main(argv=None) -> int:
                 "model_notes": {m: TOKEN_IDS.get(m, "kvpress's own tokenization (transformers' GGUF tokenizer)")
                                 for m in evidence.MODELS}}
     meta = evidence.meta("quick" if lengths == [1024] else "full", settings, time.perf_counter() - t0, commit)
-    evidence.merge_rows(args.out, meta, rows, key=lambda r: (r["model"], r["split"], r["config"], r["budget"]),
-                        redo={(m, s, c, b) for m in args.models for s in splits for c in systems for b in args.budgets})
+    evidence.merge_rows(args.out, meta, rows, key=row_key, redo={row_key(r) for r in rows})
     log(f"{len(rows)} rows -> {args.out}")
     return 0
 

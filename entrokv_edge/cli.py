@@ -264,7 +264,7 @@ def cmd_run(args) -> int:
     out = {"answer": answer, "policy": args.policy, "logical_tokens": rep["logical_tokens"],
            "kept_tokens": rep["kept_tokens"], "kv_cells": rep["kv_cells"], "kv_bytes_full": rep["kv_bytes_full"],
            "kv_bytes_kept": rep["kv_bytes_kept"], "uor_mean": m.get("uor_mean"), "uor_max": m.get("uor_max"),
-           "evictions": rep["evictions"], "prefill_tok_s": n_prefill / max(t_pre, 1e-9),
+           "evictions": rep["evictions"], "eviction_s": rep["eviction_s"], "prefill_tok_s": n_prefill / max(t_pre, 1e-9),
            "decode_tok_s": n_dec / max(t_dec, 1e-9) if n_dec else 0.0}
     if args.json:
         print(json.dumps(out))

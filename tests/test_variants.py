@@ -114,19 +114,47 @@ def test_max_pool_is_the_window_maximum(n, k, spread, decay, chunk, seed):
             assert np.array_equal(out[..., i], want)
 
 
-@settings(max_examples=40, deadline=None)
-@given(L=st.integers(1, 4), n=st.integers(1, 200), P=st.sampled_from([1, 4, 16]), seed=st.integers(0, 999))
-def test_pooled_stats_layer_by_layer_equal_the_stats_of_the_pooled_scores(L, n, P, seed):
+def _whole_pooled_stats(s, cfg, fixed):
+    """The pooled scores' statistics the plain way: all of s pooled, then head_stats."""
+    return head_stats(max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay), cfg.sinks, cfg.page_size)
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(1, 4), n=st.integers(1, 200), P=st.sampled_from([1, 4, 16]), pool=st.sampled_from([0, 3, 7]),
+       spread=st.integers(0, 30), decay=st.sampled_from([1.0, 0.85]), sinks=st.integers(0, 6),
+       f32=st.booleans(), seed=st.integers(0, 999))
+def test_pooled_stats_layer_by_layer_equal_the_stats_of_the_pooled_scores(L, n, P, pool, spread, decay, sinks, f32,
+                                                                           seed):
     """select's memory-lean path (one layer pooled at a time) gives what pooling all of s,
     then taking its statistics, gives (to the last bits a BLAS sum over fewer rows may change)."""
     rng = np.random.default_rng(seed)
     s = rng.random((L, 6, n)) ** 4
+    s = s.astype(np.float32) if f32 else s
     fixed = rng.random(n) < 0.1
-    cfg = EvictionConfig(policy="entrokv-edge", page_size=P, window=1, recent=1)
-    got, want = pooled_stats(s, cfg, fixed), head_stats(max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay), cfg.sinks, P)
+    cfg = EvictionConfig(policy="entrokv-edge", page_size=P, window=1, recent=1, sinks=sinks, pool=pool,
+                         spread=spread, decay=decay)
+    got, want = pooled_stats(s, cfg, fixed), _whole_pooled_stats(s, cfg, fixed)
     for f in dataclasses.fields(want):
         np.testing.assert_allclose(getattr(got, f.name), getattr(want, f.name), rtol=1e-13, atol=1e-300,
                                    err_msg=f.name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(200, 600), P=st.sampled_from([1, 4, 16]), head_pool=st.sampled_from(["entropy", "max", "rank"]),
+       region=st.sampled_from(["sinks", "evictable"]), consensus=st.sampled_from([0.0, 0.3]),
+       seed=st.integers(0, 2**16))
+def test_select_keeps_the_same_pages_as_with_the_whole_pooled_copy(n, P, head_pool, region, consensus, seed):
+    """entrokv-edge's selection (page sums) is the one the whole pooled copy of s gives."""
+    s = np.random.default_rng(seed).random((3, 6, n)) ** 8
+    cfg = EvictionConfig(budget=0.3, page_size=P, window=16, policy="entrokv-edge", head_pool=head_pool,
+                         entropy_region=region, consensus=consensus)
+    got = select(s, 3, cfg).pages
+    saved, policies.pooled_stats = policies.pooled_stats, _whole_pooled_stats
+    try:
+        want = select(s, 3, cfg).pages
+    finally:
+        policies.pooled_stats = saved
+    assert np.array_equal(got, want)
 
 
 def test_spread_keeps_the_pages_after_an_attended_key():
@@ -276,7 +304,7 @@ def test_edge_keeps_the_exact_budget_and_one_set_per_group(P, n, pool, consensus
     s = np.random.default_rng(seed).random((3, 6, n))
     budget = max(int(frac * n), (2 + -(-4 // P) + -(-16 // P)) * P)
     cfg = EvictionConfig(budget=budget, page_size=P, window=16, policy="entrokv-edge", pool=pool, spread=seed % 25,
-                         decay=[1.0, 0.8][seed % 2],
+                         decay=[1.0, 0.8][seed % 2], page_score=["sum", "max"][(seed // 3) % 2],
                          consensus=consensus, entropy_region=region, head_pool=["entropy", "max", "rank"][seed % 3])
     sel = select(s, 3, cfg)
     N = cfg.budget_pages(n)

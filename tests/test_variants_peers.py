@@ -21,10 +21,12 @@ pytestmark = pytest.mark.skipif(not VENV.exists(), reason="no peers environment 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, smollm2):
     out = tmp_path_factory.mktemp("variants_peers") / "variants_peers.json"
-    # an earlier file: rows of other (model, split, config, budget) are kept, the rerun ones replaced
+    # an earlier file: the rerun prompts' rows are replaced; rows of another press, or of the
+    # same press at another length or depth (not rerun), are kept
     old = {"model": "smollm2-135m", "split": "tune", "length": 1024, "depth": 50, "budget": 0.2, "kl_mean": 9.0}
     out.write_text(json.dumps({"meta": {}, "data": {"rows": [
-        dict(old, config="kvpress-expected"), dict(old, config="kvpress-snapkv")]}}))
+        dict(old, config="kvpress-expected"), dict(old, config="kvpress-snapkv"),
+        dict(old, config="kvpress-snapkv", length=2048), dict(old, config="kvpress-snapkv", depth=20)]}}))
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "variants_peers.py"), "--split", "tune",
                         "--lengths", "1024", "--depths", "50", "--systems", ",".join(SYSTEMS),
                         "--budgets", "0.2", "1.0", "--threads", "2", "--out", str(out)],
@@ -77,7 +79,8 @@ def test_a_press_that_keeps_everything_has_no_kl(run):
 def test_rows_merge_and_carry_their_provenance(run):
     rows = run["data"]["rows"]
     kept = [r for r in rows if r["kl_mean"] == 9.0]
-    assert [r["config"] for r in kept] == ["kvpress-expected"]         # not rerun: kept
+    assert [(r["config"], r["length"], r["depth"]) for r in kept] == [    # not rerun: kept
+        ("kvpress-expected", 1024, 50), ("kvpress-snapkv", 2048, 50), ("kvpress-snapkv", 1024, 20)]
     assert all(r["commit"] for r in rows if r not in kept)
     m = run["meta"]
     assert m["commit"] and m["settings"]["systems"] == SYSTEMS and m["settings"]["placement"] == "inside"

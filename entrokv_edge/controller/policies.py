@@ -60,13 +60,13 @@ def max_pool(s: np.ndarray, k: int, fixed: np.ndarray | None = None, spread: int
     h = k // 2 if k > 1 else 0
     if h == 0 and spread == 0:
         return s
-    s = np.asarray(s, dtype=np.float64)
+    s = np.asarray(s)
     n = s.shape[-1]
     flat = s.reshape(-1, n)
-    out = np.empty_like(flat)
+    out = np.empty(flat.shape, dtype=np.float64)
     step = max(1, _POOL_CHUNK // max(n, 1))
-    for a in range(0, flat.shape[0], step):
-        out[a: a + step] = _max_pool_rows(flat[a: a + step], h, fixed, spread, decay)
+    for a in range(0, flat.shape[0], step):      # float64 chunk by chunk (a float32 s is not copied whole)
+        out[a: a + step] = _max_pool_rows(np.asarray(flat[a: a + step], dtype=np.float64), h, fixed, spread, decay)
     return out.reshape(s.shape)
 
 

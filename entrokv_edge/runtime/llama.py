@@ -69,7 +69,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self._window_scores: WindowScores | None = None
         self.last_eviction: EvictionResult | None = None
         self.n_evictions = 0
-        self.eviction_s = 0.0          # wall time spent in evictions (scoring, selection, compaction)
+        self.eviction_s = 0.0          # wall time spent in evictions (selection and compaction)
 
     def close(self) -> None:
         # a constructor that refused its arguments never reached Llama.__init__
@@ -109,11 +109,11 @@ class EntroKVLlama(llama_cpp.Llama):
         t0 = time.perf_counter()
         res = self.controller.evict(self, scores, n_keep=N)
         self.eviction_s += time.perf_counter() - t0
+        self.n_evictions += 1
         if res.metrics["kept_tokens"] > self.kv_cells - self.config.window:
             raise EntroKVError(-5, f"policy {self.config.policy} kept {res.metrics['kept_tokens']} tokens, "
                                    f"more than the cache ({self.kv_cells} cells) can hold with room to go on")
         self.last_eviction = res
-        self.n_evictions += 1
         return res
 
     def _recency_scores(self) -> WindowScores:
