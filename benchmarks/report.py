@@ -303,13 +303,17 @@ EDGE = "entrokv-edge"
 
 
 NEEDLE_KINDS = {"sandwich": "needlehaystack needle", "magic": "magic-number needles", "passkey": "pass-key needles",
-                "room": "meeting-room needles", "gate": "flight-gate needles"}
-# the later rounds (benchmarks/variants.py): (name, the splits the candidate is chosen on, the held-out split,
-# whether the held-out answers count only where the full cache answers right)
-LATER_ROUNDS = (("round 2", ["tune", "heldout"], "heldout2", False),
-                ("round 3", ["tune", "heldout", "heldout2"], "heldout3", False),
-                ("round 4", ["tune", "heldout", "heldout2"], "heldout4", True))
+                "room": "meeting-room needles", "gate": "flight-gate needles", "locker": "locker-code needles"}
 ROUND1 = "edge:rank+pool7"       # round 1's defaults by name (benchmarks/variants.py)
+ROUND4 = "edge:P4+rank+pool7+spread24+decay0.85"     # round 4's (the defaults round 5 was measured against)
+# the later rounds (benchmarks/variants.py): (name, the splits the candidate is chosen on, the held-out split,
+# whether answers count only where the full cache answers right, the defaults it must beat, how the candidate
+# is picked: "answers" = the most answers (ties: the lowest mean KL), "kl_wins" = the most paired KL wins
+# against those defaults among the candidates that keep as many of the full cache's right answers)
+LATER_ROUNDS = (("round 2", ["tune", "heldout"], "heldout2", False, ROUND1, "answers"),
+                ("round 3", ["tune", "heldout", "heldout2"], "heldout3", False, ROUND1, "answers"),
+                ("round 4", ["tune", "heldout", "heldout2"], "heldout4", True, ROUND1, "answers"),
+                ("round 5", ["tune", "heldout", "heldout2", "heldout3", "heldout4"], "heldout5", True, ROUND4, "kl_wins"))
 
 
 def _mean_kl(x) -> float:
@@ -325,7 +329,7 @@ def variants_section(d, peers=None) -> str:
     peer_rows = [dict(r) for r in (peers or {}).get("data", {}).get("rows", [])
                  if r.get("budget", 0.2) == st.get("budget", 0.2) and r.get("kl_mean") is not None]
     peer_names = list(dict.fromkeys(r["config"] for r in peer_rows))
-    splits = [sp for sp in st.get("split_order", ("tune", "heldout", "heldout2", "heldout3", "heldout4"))
+    splits = [sp for sp in st.get("split_order", ("tune", "heldout", "heldout2", "heldout3", "heldout4", "heldout5"))
               if any(r["split"] == sp for r in rows)]
     s = ["## 7. Beyond the paper: entrokv-edge\n\n",
          "`benchmarks/variants.py`: needle prompts at 20% with the question inside the observed window; per "
@@ -340,7 +344,8 @@ def variants_section(d, peers=None) -> str:
          "default policy; heldout was read afterwards, so round 2 chose on tune + heldout and heldout2, run once "
          "after that choice, decided; heldout2 was read afterwards too, so round 3 chose on tune + heldout + "
          "heldout2 and heldout3, run once after that choice, decided; round 4 retested round 3's choice on "
-         "heldout4 with the answers counted where the full cache answers right. Commits of the rows: "
+         "heldout4 with the answers counted where the full cache answers right; round 5 chose a value-weighted "
+         "variant (value_power) on all five of those splits and heldout5 decided. Commits of the rows: "
          + "; ".join(f"{sp} `{', '.join(sorted({r.get('commit') or '?' for r in rows if r['split'] == sp}))}`"
                      for sp in splits) + ".\n\n"]
     if peer_rows:
@@ -415,26 +420,41 @@ def variants_section(d, peers=None) -> str:
     full_ok = {(r["split"], key(r)) for r in rows if r["config"] == "full" and r["correct"]}
     kept = lambda c, sp: sum(r["correct"] and (sp, key(r)) in full_ok  # noqa: E731
                              for r in rows if r["config"] == c and r["split"] == sp)
-    for name, chosen_on, held, of_full in LATER_ROUNDS:
+    def paired_kl(c, base, sps):
+        h = {(r["config"], r["split"], key(r)): r["kl_mean"] for r in rows if r["config"] in (c, base) and r["split"] in sps}
+        ks = [k for (cc, *k) in h if cc == c and (base, *k) in h]
+        return (sum(h[(c, *k)] < h[(base, *k)] - 1e-9 for k in ks), sum(h[(c, *k)] > h[(base, *k)] + 1e-9 for k in ks))
+
+    for name, chosen_on, held, of_full, base, pick in LATER_ROUNDS:
         cands = [c for c in rounds.get(name, []) if has(c, chosen_on)]
-        if not cands:
+        if not cands or not has(base, chosen_on):
             continue
         on = " + ".join(chosen_on)
-        b = max(cands, key=lambda c: (ok(c, chosen_on), -kl(c, chosen_on)))
-        s.append(f"{name.capitalize()}'s rule on {on}: **{b}** ({ok(b, chosen_on)} answers, mean KL "
-                 f"{kl(b, chosen_on):.3f}; round 1's {ROUND1}: {ok(ROUND1, chosen_on)}, {kl(ROUND1, chosen_on):.3f}).")
-        if b != ROUND1 and has(b, [held]) and has(ROUND1, [held]):
-            h = {(r["config"], key(r)): r for r in rows if r["config"] in (b, ROUND1) and r["split"] == held}
-            ks = [k for (c, k) in h if c == b and (ROUND1, k) in h]
-            w = sum(h[(b, k)]["kl_mean"] < h[(ROUND1, k)]["kl_mean"] - 1e-9 for k in ks)
-            lo = sum(h[(b, k)]["kl_mean"] > h[(ROUND1, k)]["kl_mean"] + 1e-9 for k in ks)
+        if pick == "answers":
+            b = max(cands, key=lambda c: (ok(c, chosen_on), -kl(c, chosen_on)))
+            s.append(f"{name.capitalize()}'s rule on {on}: **{b}** ({ok(b, chosen_on)} answers, mean KL "
+                     f"{kl(b, chosen_on):.3f}; {base}: {ok(base, chosen_on)}, {kl(base, chosen_on):.3f}).")
+        else:
+            kept_on = lambda c: sum(kept(c, sp) for sp in chosen_on)  # noqa: E731
+            able = [c for c in cands if kept_on(c) >= kept_on(base)]
+            if not able:
+                s.append(f"{name.capitalize()}'s rule on {on}: no candidate keeps {base}'s {kept_on(base)} of the "
+                         "full cache's right answers.\n")
+                continue
+            b = max(able, key=lambda c: (paired_kl(c, base, chosen_on)[0], -kl(c, chosen_on)))
+            s.append(f"{name.capitalize()}'s rule on {on}: **{b}** (" + "; ".join(
+                f"{c}: paired KL {'-'.join(map(str, paired_kl(c, base, chosen_on)))}, {kept_on(c)} of the full "
+                f"cache's right answers kept, mean KL {kl(c, chosen_on):.4f}" for c in cands)
+                + f"; {base}: {kept_on(base)}, {kl(base, chosen_on):.4f}).")
+        if b != base and has(b, [held]) and has(base, [held]):
+            w, lo = paired_kl(b, base, [held])
             count = (lambda c: kept(c, held)) if of_full else (lambda c: ok(c, [held]))
-            passed = count(b) >= count(ROUND1) and w > lo
+            passed = count(b) >= count(base) and w > lo
             what = "of the full cache's right answers kept" if of_full else "answers"
-            s.append(f" On {held}: {count(b)} {what} vs {count(ROUND1)}, paired KL "
+            s.append(f" On {held}: {count(b)} {what} vs {count(base)}, paired KL "
                      f"{w} wins, {lo} losses (sign test p = {sign_test(w, lo):.3g}): "
                      + ("it **passes**: its settings are entrokv-edge's defaults." if passed else
-                        "it does **not** pass: round 1's defaults stay."))
+                        f"it does **not** pass: {base}'s settings stay."))
         s.append("\n")
     return "".join(s)
 

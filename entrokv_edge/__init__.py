@@ -21,6 +21,7 @@ from .bindings import (  # noqa: E402
     geometry,
     n_refused,
     true_positions,
+    value_norms,
 )
 
 from .bindings.observe import Observation, WindowScores  # noqa: E402
@@ -48,4 +49,5 @@ __all__ = [
     "models",
     "n_refused",
     "true_positions",
+    "value_norms",
 ]

@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {EDGE_DEFAULTS['spread']})")
     common.add_argument("--decay", type=float, help=f"entrokv-edge: the spread's discount per key, in (0, 1] "
                         f"(default {EDGE_DEFAULTS['decay']})")
+    common.add_argument("--value-power", type=float, help=f"entrokv-edge: scores times ||v||^a, a in [0, 8] "
+                        f"(default {EDGE_DEFAULTS['value_power']}; 0: off)")
     common.add_argument("--consensus", type=float, help="entrokv-edge: share of free pages kept by every buffer")
     common.add_argument("--entropy-region", choices=("sinks", "evictable"), help="entrokv-edge: keys of the entropy")
     common.add_argument("--head-pool", choices=("entropy", "max", "rank"), help="entrokv-edge: pooling of a group's heads")
@@ -145,7 +147,8 @@ def _settings(args) -> dict:
         cfg = EvictionConfig(budget=args.budget, page_size=args.page_size, window=args.window, sinks=args.sinks,
                              recent=args.recent, tau=args.tau, policy=args.policy, pool=args.pool,
                              spread=args.spread, decay=args.decay, consensus=args.consensus,
-                             entropy_region=args.entropy_region, head_pool=args.head_pool)
+                             entropy_region=args.entropy_region, head_pool=args.head_pool,
+                             value_power=args.value_power)
     except ValueError as e:
         raise CLIError(str(e).replace("EvictionConfig: ", ""))
     return {"eviction": cfg}

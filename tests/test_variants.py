@@ -1,4 +1,4 @@
-"""entrokv-edge's options (pool, spread, consensus, entropy_region, head_pool): their definitions against
+"""entrokv-edge's options (pool, spread, decay, consensus, entropy_region, head_pool, value_power): their definitions against
 naive references, the constructed cases they exist for, and the invariants every policy
 keeps (exact budget, one set per group, page-entrokv unchanged)."""
 import dataclasses
@@ -305,8 +305,10 @@ def test_edge_keeps_the_exact_budget_and_one_set_per_group(P, n, pool, consensus
     budget = max(int(frac * n), (2 + -(-4 // P) + -(-16 // P)) * P)
     cfg = EvictionConfig(budget=budget, page_size=P, window=16, policy="entrokv-edge", pool=pool, spread=seed % 25,
                          decay=[1.0, 0.8][seed % 2], page_score=["sum", "max"][(seed // 3) % 2],
-                         consensus=consensus, entropy_region=region, head_pool=["entropy", "max", "rank"][seed % 3])
-    sel = select(s, 3, cfg)
+                         consensus=consensus, entropy_region=region, head_pool=["entropy", "max", "rank"][seed % 3],
+                         value_power=[0.0, 2.0][(seed // 2) % 2])
+    values = np.random.default_rng(seed + 1).random((3, 2, n)) * 4        # some keys' values near 0
+    sel = select(s, 3, cfg, values=values)
     N = cfg.budget_pages(n)
     assert sel.pages.shape == (3, 2, N) and (np.diff(sel.pages, axis=-1) > 0).all()
     assert set(cfg.protected(n)) <= set(sel.pages[1, 1].tolist())
@@ -352,6 +354,50 @@ def test_edge_options_are_validated_and_resolved():
     assert EvictionConfig(policy="entrokv-edge", decay=0.8).decay == 0.8 and EvictionConfig(policy="mean-pool").decay == 1.0
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
         EvictionConfig(policy="page-entrokv", head_pool="rank")
+    for bad in (-0.5, 8.5, True, "2", float("nan"), float("inf"), [2]):
+        with pytest.raises(ValueError, match="value_power must be a number in"):
+            EvictionConfig(policy="entrokv-edge", value_power=bad)
+    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
+        EvictionConfig(policy="head-independent", value_power=2)
+    assert EvictionConfig(policy="entrokv-edge", value_power=2).value_power == 2 and \
+        EvictionConfig(policy="page-entrokv").value_power == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 3), G=st.integers(1, 3), r=st.integers(1, 4), n=st.integers(1, 50),
+       power=st.sampled_from([0.5, 1.0, 2.0, 3.0]), f32=st.booleans(), seed=st.integers(0, 999))
+def test_value_weighted_scales_each_head_by_its_groups_norms(L, G, r, n, power, f32, seed):
+    rng = np.random.default_rng(seed)
+    s = rng.random((L, G * r, n)).astype(np.float32 if f32 else np.float64)
+    v = rng.random((L, G, n)) * 3
+    keep = s.copy()
+    got = policies.value_weighted(s, v, r, power)
+    want = np.empty((L, G * r, n))
+    for l in range(L):
+        for h in range(G * r):
+            for t in range(n):
+                want[l, h, t] = float(s[l, h, t]) * float(v[l, h // r, t]) ** power
+    assert got.dtype == s.dtype and np.array_equal(s, keep)
+    np.testing.assert_allclose(got, want, rtol=1e-5 if f32 else 1e-12)
+
+
+def test_value_power_keeps_the_page_whose_values_matter():
+    """Two pages draw the same attention; the one whose values are larger holds more of the
+    head's output. With value_power the budget's one free page goes to it; without, the tie
+    goes to the lower page."""
+    n, P = 64, 8
+    s = np.full((1, 2, n), 1e-3)
+    s[:, :, 20:24] = s[:, :, 36:40] = 0.2
+    v = np.ones((1, 1, n))
+    v[..., 36:40] = 4.0
+    kw = dict(EDGE_OFF, budget=24, page_size=P, sinks=4, window=8)
+    assert select(s, 2, EvictionConfig(**kw)).pages[0, 0].tolist() == [0, 2, 7]
+    assert select(s, 2, EvictionConfig(**{**kw, "value_power": 1.0}), values=v).pages[0, 0].tolist() == [0, 4, 7]
+    with pytest.raises(ValueError, match="needs the value norms"):
+        select(s, 2, EvictionConfig(**{**kw, "value_power": 1.0}))
+    for bad in (np.ones((1, 2, n)), -v, v * np.nan):
+        with pytest.raises(ValueError, match="values must be"):
+            select(s, 2, EvictionConfig(**{**kw, "value_power": 1.0}), values=bad)
 
 
 @settings(max_examples=60, deadline=None)

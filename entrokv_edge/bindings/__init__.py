@@ -13,6 +13,7 @@ from .native import (
     set_last_logits,
     true_positions,
     used_cells,
+    value_norms,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "set_last_logits",
     "true_positions",
     "used_cells",
+    "value_norms",
 ]

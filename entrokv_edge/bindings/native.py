@@ -169,6 +169,18 @@ def true_positions(llm) -> np.ndarray:
     return out
 
 
+def value_norms(llm) -> np.ndarray:
+    """float32 [n_slots, kv_size]: the Euclidean norm of the value vector each cell holds for
+    each (layer, KV head) slot, 0 for empty cells (read from V in whatever backend holds it)."""
+    ffi, lib = _api()
+    ctx = context_pointer(llm)
+    g = ffi.new("struct llama_entrokv_geometry *")
+    _check(lib.llama_entrokv_get_geometry(ctx, g))
+    out = np.empty((g.n_slots, g.kv_size), dtype=np.float32)
+    _check(lib.llama_entrokv_value_norms(ctx, ffi.from_buffer("float[]", out), out.size))
+    return out
+
+
 def _check_int32_range(a: np.ndarray) -> None:
     if a.size and a.dtype.itemsize > 4 and (a.min() < -(2**31) or a.max() >= 2**31):
         raise ValueError("cell index outside int32")

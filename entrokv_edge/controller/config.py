@@ -11,10 +11,10 @@ POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # entrokv-edge's settings where the user leaves them unset (None); page-entrokv = all off.
 # Chosen by benchmarks/variants.py's rounds (round 4 made these the defaults; round 1's: page_size 16, pool 7, rank)
 EDGE_DEFAULTS = {"page_size": 4, "pool": 7, "spread": 24, "decay": 0.85, "consensus": 0.0, "entropy_region": "sinks",
-                 "head_pool": "rank"}
+                 "head_pool": "rank", "value_power": 0.0}
 OFF = {"page_size": 16, "pool": 0, "spread": 0, "decay": 1.0, "consensus": 0.0, "entropy_region": "sinks",
-       "head_pool": "entropy"}
-EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool")
+       "head_pool": "entropy", "value_power": 0.0}
+EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool", "value_power")
 ENTROPY_REGIONS = ("sinks", "evictable")
 HEAD_POOLS = ("entropy", "max", "rank")
 
@@ -50,6 +50,10 @@ class EvictionConfig:
     head_pool      : how a group's heads are pooled: "entropy" (the method's weights), "max"
                      (the largest share any head gives a page) or "rank" (the best rank any
                      head gives a page: the head-independent union cut to the budget)
+    value_power    : a >= 0 (0: off): each head's score of key t is multiplied by ||v_t||^a, the
+                     norm of the value vector its group buffer holds for t (read from the cache):
+                     what a head's output loses with a key is its attention times that value, so
+                     keys with small values matter less (VATP's value-aware score, generalized)
     page_size None: 16 (or entrokv-edge's default).
     """
 
@@ -67,6 +71,7 @@ class EvictionConfig:
     consensus: float | None = None
     entropy_region: str | None = None
     head_pool: str | None = None
+    value_power: float | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -90,6 +95,9 @@ class EvictionConfig:
         if isinstance(self.consensus, bool) or not isinstance(self.consensus, (int, float)) or \
                 not (0.0 <= self.consensus < 1.0):
             bad(f"consensus must be a share in [0, 1), got {self.consensus!r}")
+        if isinstance(self.value_power, bool) or not isinstance(self.value_power, (int, float)) or \
+                not (0.0 <= self.value_power <= 8.0) or math.isnan(self.value_power):
+            bad(f"value_power must be a number in [0, 8], got {self.value_power!r}")
         if self.head_pool not in HEAD_POOLS:
             bad(f"head_pool must be one of {', '.join(HEAD_POOLS)}, got {self.head_pool!r}")
         if self.entropy_region not in ENTROPY_REGIONS:

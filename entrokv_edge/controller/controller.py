@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..bindings import compact, geometry, true_positions
+from ..bindings import compact, geometry, true_positions, value_norms
 from ..bindings.observe import Observation, WindowScores
 from . import metrics as M
 from .config import EvictionConfig
@@ -83,7 +83,8 @@ class PageEntroKV:
             tp_now = true_positions(llm)
             s, present = self._scores_by_position(scores, tp_now, n, L, H, r)
             available = page_scores(present.astype(np.float32), cfg.page_size, "max") > 0
-        sel = select(s, r, cfg, n, available=available, n_keep=n_keep)
+        values = self._values_by_position(llm, tp_now, n, L, G) if cfg.value_power > 0 else None
+        sel = select(s, r, cfg, n, available=available, n_keep=n_keep, values=values)
         positions = pages_to_positions(sel.pages, cfg.page_size, n)
         if cfg.policy != "full":
             if fresh:
@@ -118,6 +119,18 @@ class PageEntroKV:
             mean = (s * known).sum(-1) / np.maximum(known.sum(-1), 1)
             s = np.where(unscored, mean[..., None], s)
         return np.where(present_lh, s, 0.0), present.reshape(L, G, n)
+
+    @staticmethod
+    def _values_by_position(llm, tp_now: np.ndarray | None, n: int, L: int, G: int) -> np.ndarray:
+        """float32 [L, G, n]: the norm of the value vector each group buffer holds for each
+        position (0 where it holds none). tp_now None: cells are positions."""
+        vn = value_norms(llm)                                                     # [L * G, kv_size]
+        if tp_now is None:
+            return vn[:, :n].reshape(L, G, n)
+        out = np.zeros((L * G, n), dtype=np.float32)
+        si, ci = np.nonzero((tp_now >= 0) & (tp_now < n))
+        out[si, tp_now[si, ci]] = vn[si, ci]
+        return out.reshape(L, G, n)
 
     @staticmethod
     def _cells_of(tp_now: np.ndarray, keep_pos: np.ndarray, n: int) -> np.ndarray:

@@ -158,15 +158,38 @@ def consensus_pages(pi: np.ndarray, m: int, protected, available: np.ndarray | N
     return sorted(int(j) for j in order[:m])
 
 
+def value_weighted(s: np.ndarray, values: np.ndarray, r: int, power: float) -> np.ndarray:
+    """s [L, H, n] times values [L, G, n] ** power, each query head h taking its group g = h // r
+    (the option value_power: values are the norms of the value vectors each group buffer holds).
+    A new array of s's float type; s is not changed."""
+    L, H, n = s.shape
+    if H % r:
+        raise ValueError(f"{H} query heads do not split into groups of {r}")
+    values = np.asarray(values)
+    if values.shape != (L, H // r, n):
+        raise ValueError(f"values must be [L, G, n] = {[L, H // r, n]}, got {list(values.shape)}")
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError("values must be finite norms >= 0")
+    f = values.astype(s.dtype) ** s.dtype.type(power)
+    return (s.reshape(L, H // r, r, n) * f[:, :, None, :]).reshape(L, H, n)
+
+
 def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
-           available: np.ndarray | None = None, n_keep: int | None = None) -> Selection:
+           available: np.ndarray | None = None, n_keep: int | None = None,
+           values: np.ndarray | None = None) -> Selection:
     """Run ``cfg.policy`` on window scores s [L, H, n] of a GQA model with group ratio r.
 
     available [L, G, n_pages] (bool): pages each group buffer still holds (after an
-    earlier eviction); None: all. n_keep: pages to keep instead of the budget's N."""
+    earlier eviction); None: all. n_keep: pages to keep instead of the budget's N.
+    values [L, G, n]: the norm of each position's value vector per group buffer, needed
+    (only) when cfg.value_power > 0: the scores are then value_weighted before anything else."""
     s = np.asarray(s)
     if s.dtype not in (np.float32, np.float64):
         s = s.astype(np.float64)
+    if cfg.value_power > 0:
+        if values is None:
+            raise ValueError("value_power needs the value norms (values [L, G, n])")
+        s = value_weighted(s, values, r, cfg.value_power)
     L, H, n_s = s.shape
     n = n_s if n is None else n
     if H % r:

@@ -33,7 +33,8 @@ class EntroKVLlama(llama_cpp.Llama):
 
     Extra keyword arguments: the EvictionConfig settings (``budget``, ``page_size``,
     ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``, and entrokv-edge's
-    ``pool``, ``spread``, ``decay``, ``consensus``, ``entropy_region``, ``head_pool``) or
+    ``pool``, ``spread``, ``decay``, ``consensus``, ``entropy_region``, ``head_pool``,
+    ``value_power``) or
     ``eviction=EvictionConfig(...)``; ``logical_ctx`` (the longest conversation accepted,
     default: the model's training context); ``progress`` (a callable(done, total) called
     during long prefills); ``rpc_servers`` ("host:port" or a list: llama.cpp RPC servers

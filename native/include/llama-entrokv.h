@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LLAMA_ENTROKV_API_VERSION 1
+#define LLAMA_ENTROKV_API_VERSION 2
 
 enum llama_entrokv_status {
     LLAMA_ENTROKV_OK                  =   0,
@@ -100,6 +100,15 @@ LLAMA_API int32_t llama_entrokv_get_layer(
 LLAMA_API int32_t llama_entrokv_true_pos(
         struct llama_context * ctx,
         int32_t * out,
+        size_t n_out);
+
+// Fill out[s * kv_size + c] with the Euclidean norm of the value vector (head_dim_v elements)
+// that cell c of slot s holds, 0 for an empty cell. n_out must be >= n_slots * kv_size.
+// V is read from whatever backend holds it (one copy of each layer's used cells to the host)
+// and converted to float by ggml (F32, F16, BF16 and the quantized types). Reads only.
+LLAMA_API int32_t llama_entrokv_value_norms(
+        struct llama_context * ctx,
+        float * out,
         size_t n_out);
 
 // Compact sequence seq_id (which must be the only sequence in the cache).

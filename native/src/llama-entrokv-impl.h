@@ -62,6 +62,7 @@ struct llama_entrokv_access {
     static int32_t true_pos (llama_context * ctx, int32_t * out, size_t n_out);
     // out [n_slots][n_cols]: true positions of cells 0..n_cols-1 (n_cols <= kv_size)
     static void    fill_true_pos(const llama_kv_cache & kv, int32_t * out, uint32_t n_cols);
+    static int32_t value_norms(llama_context * ctx, float * out, size_t n_out);
     static int32_t compact  (llama_context * ctx, llama_seq_id seq_id, int32_t n_slots,
                              const int32_t * lens, const int32_t * cells, uint32_t flags);
     static int32_t n_refused(llama_context * ctx);

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -274,6 +275,90 @@ int32_t llama_entrokv_access::true_pos(llama_context * ctx, int32_t * out, size_
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BUFFER_SIZE, "out holds %zu values, need n_slots * kv_size = %zu", n_out, (size_t) ns * kv_size);
     }
     fill_true_pos(kv, out, kv_size);
+    return llama_entrokv_ok();
+}
+
+// Norm of each cell's value vector per slot. The cells past the last used one are not read.
+int32_t llama_entrokv_access::value_norms(llama_context * ctx, float * out, size_t n_out) {
+    entrokv_target t;
+    if (int32_t rc = resolve(ctx, t)) {
+        return rc;
+    }
+    const llama_kv_cache & kv = *t.kv;
+    const int32_t ns = n_slots(kv);
+    const uint32_t kv_size = kv.get_size();
+    if (out == nullptr) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "out is NULL");
+    }
+    if (n_out < (size_t) ns * kv_size) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BUFFER_SIZE, "out holds %zu values, need n_slots * kv_size = %zu", n_out, (size_t) ns * kv_size);
+    }
+    for (const auto & l : kv.layers) {
+        if (l.v->type != GGML_TYPE_F32 && ggml_get_type_traits(l.v->type)->to_float == nullptr) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "layer %u: V of type %s cannot be converted to float", l.il, ggml_type_name(l.v->type));
+        }
+        if (kv.v_trans && ggml_is_quantized(l.v->type)) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "layer %u: transposed V of quantized type %s", l.il, ggml_type_name(l.v->type));
+        }
+    }
+    const auto & cells = kv.v_cells[0];
+    const uint32_t n_cells = std::min(cells.used_max_p1(), kv_size);
+    std::vector<uint8_t> raw;
+    std::vector<float>   f;
+    // to float: ggml's converter, or a copy for F32 (which has none)
+    auto to_float = [](ggml_type type, const void * src, float * dst, int64_t n) {
+        if (type == GGML_TYPE_F32) {
+            memcpy(dst, src, (size_t) n * sizeof(float));
+        } else {
+            ggml_get_type_traits(type)->to_float(src, dst, n);
+        }
+    };
+    float * o = out;
+    for (const auto & l : kv.layers) {
+        const int64_t n_embd = kv.hparams.n_embd_v_gqa(l.il);
+        const int32_t nh     = (int32_t) kv.hparams.n_head_kv(l.il);
+        const int64_t hd     = n_embd / nh;
+        std::fill(o, o + (size_t) nh * kv_size, 0.0f);
+        if (n_cells > 0 && !kv.v_trans) {       // row c: the n_embd values of cell c, head after head
+            const size_t row = ggml_row_size(l.v->type, n_embd);
+            raw.resize(row * n_cells);
+            f.resize((size_t) n_embd);
+            ggml_backend_tensor_get(l.v, raw.data(), 0, raw.size());
+            for (uint32_t c = 0; c < n_cells; ++c) {
+                if (cells.is_empty(c)) {
+                    continue;
+                }
+                to_float(l.v->type, raw.data() + (size_t) c * row, f.data(), n_embd);
+                for (int32_t h = 0; h < nh; ++h) {
+                    double acc = 0.0;
+                    for (int64_t j = 0; j < hd; ++j) {
+                        acc += (double) f[h * hd + j] * f[h * hd + j];
+                    }
+                    o[(size_t) h * kv_size + c] = (float) std::sqrt(acc);
+                }
+            }
+        } else if (n_cells > 0) {               // transposed: row j holds channel j of every cell
+            // one read (one round trip on a remote backend) from row 0 to row n_embd-1's last used cell
+            const size_t el = ggml_type_size(l.v->type);
+            raw.resize(((size_t) (n_embd - 1) * kv_size + n_cells) * el);
+            ggml_backend_tensor_get(l.v, raw.data(), 0, raw.size());
+            f.resize(n_cells);
+            std::vector<double> acc((size_t) nh * n_cells, 0.0);
+            for (int64_t j = 0; j < n_embd; ++j) {
+                to_float(l.v->type, raw.data() + (size_t) j * kv_size * el, f.data(), n_cells);
+                double * a = acc.data() + (size_t) (j / hd) * n_cells;
+                for (uint32_t c = 0; c < n_cells; ++c) {
+                    a[c] += (double) f[c] * f[c];
+                }
+            }
+            for (int32_t h = 0; h < nh; ++h) {
+                for (uint32_t c = 0; c < n_cells; ++c) {
+                    o[(size_t) h * kv_size + c] = cells.is_empty(c) ? 0.0f : (float) std::sqrt(acc[(size_t) h * n_cells + c]);
+                }
+            }
+        }
+        o += (size_t) nh * kv_size;
+    }
     return llama_entrokv_ok();
 }
 
@@ -835,6 +920,14 @@ int32_t llama_entrokv_get_layer(llama_context * ctx, int32_t il_index, llama_ent
 
 int32_t llama_entrokv_true_pos(llama_context * ctx, int32_t * out, size_t n_out) {
     return llama_entrokv_access::true_pos(ctx, out, n_out);
+}
+
+int32_t llama_entrokv_value_norms(llama_context * ctx, float * out, size_t n_out) {
+    try {
+        return llama_entrokv_access::value_norms(ctx, out, n_out);
+    } catch (const std::exception & e) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "reading V failed: %s", e.what());
+    }
 }
 
 int32_t llama_entrokv_compact(llama_context * ctx, llama_seq_id seq_id, int32_t n_slots,
