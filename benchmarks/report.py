@@ -306,10 +306,11 @@ NEEDLE_KINDS = {"sandwich": "needlehaystack needle", "magic": "magic-number need
                 "room": "meeting-room needles", "gate": "flight-gate needles", "locker": "locker-code needles"}
 ROUND1 = "edge:rank+pool7"       # round 1's defaults by name (benchmarks/variants.py)
 ROUND4 = "edge:P4+rank+pool7+spread24+decay0.85"     # round 4's (the defaults round 5 was measured against)
+BASE_LABEL = {ROUND1: "round 1's", ROUND4: "round 4's"}
 # the later rounds (benchmarks/variants.py): (name, the splits the candidate is chosen on, the held-out split,
 # whether answers count only where the full cache answers right, the defaults it must beat, how the candidate
 # is picked: "answers" = the most answers (ties: the lowest mean KL), "kl_wins" = the most paired KL wins
-# against those defaults among the candidates that keep as many of the full cache's right answers)
+# against those defaults among the candidates that keep at least as many of the full cache's right answers)
 LATER_ROUNDS = (("round 2", ["tune", "heldout"], "heldout2", False, ROUND1, "answers"),
                 ("round 3", ["tune", "heldout", "heldout2"], "heldout3", False, ROUND1, "answers"),
                 ("round 4", ["tune", "heldout", "heldout2"], "heldout4", True, ROUND1, "answers"),
@@ -433,19 +434,19 @@ def variants_section(d, peers=None) -> str:
         if pick == "answers":
             b = max(cands, key=lambda c: (ok(c, chosen_on), -kl(c, chosen_on)))
             s.append(f"{name.capitalize()}'s rule on {on}: **{b}** ({ok(b, chosen_on)} answers, mean KL "
-                     f"{kl(b, chosen_on):.3f}; {base}: {ok(base, chosen_on)}, {kl(base, chosen_on):.3f}).")
+                     f"{kl(b, chosen_on):.3f}; {BASE_LABEL[base]} {base}: {ok(base, chosen_on)}, {kl(base, chosen_on):.3f}).")
         else:
             kept_on = lambda c: sum(kept(c, sp) for sp in chosen_on)  # noqa: E731
             able = [c for c in cands if kept_on(c) >= kept_on(base)]
             if not able:
-                s.append(f"{name.capitalize()}'s rule on {on}: no candidate keeps {base}'s {kept_on(base)} of the "
+                s.append(f"{name.capitalize()}'s rule on {on}: no candidate keeps {BASE_LABEL[base]} {base}'s {kept_on(base)} of the "
                          "full cache's right answers.\n")
                 continue
             b = max(able, key=lambda c: (paired_kl(c, base, chosen_on)[0], -kl(c, chosen_on)))
             s.append(f"{name.capitalize()}'s rule on {on}: **{b}** (" + "; ".join(
                 f"{c}: paired KL {'-'.join(map(str, paired_kl(c, base, chosen_on)))}, {kept_on(c)} of the full "
                 f"cache's right answers kept, mean KL {kl(c, chosen_on):.4f}" for c in cands)
-                + f"; {base}: {kept_on(base)}, {kl(base, chosen_on):.4f}).")
+                + f"; {BASE_LABEL[base]} {base}: {kept_on(base)}, {kl(base, chosen_on):.4f}).")
         if b != base and has(b, [held]) and has(base, [held]):
             w, lo = paired_kl(b, base, [held])
             count = (lambda c: kept(c, held)) if of_full else (lambda c: ok(c, [held]))
@@ -454,7 +455,7 @@ def variants_section(d, peers=None) -> str:
             s.append(f" On {held}: {count(b)} {what} vs {count(base)}, paired KL "
                      f"{w} wins, {lo} losses (sign test p = {sign_test(w, lo):.3g}): "
                      + ("it **passes**: its settings are entrokv-edge's defaults." if passed else
-                        f"it does **not** pass: {base}'s settings stay."))
+                        f"it does **not** pass: {BASE_LABEL[base]} defaults stay."))
         s.append("\n")
     return "".join(s)
 

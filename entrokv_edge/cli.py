@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {EDGE_DEFAULTS['spread']})")
     common.add_argument("--decay", type=float, help=f"entrokv-edge: the spread's discount per key, in (0, 1] "
                         f"(default {EDGE_DEFAULTS['decay']})")
-    common.add_argument("--value-power", type=float, help=f"entrokv-edge: scores times ||v||^a, a in [0, 8] "
+    common.add_argument("--value-power", type=float, help=f"entrokv-edge: scores times ||v||^a, a in [0, 4] "
                         f"(default {EDGE_DEFAULTS['value_power']}; 0: off)")
     common.add_argument("--consensus", type=float, help="entrokv-edge: share of free pages kept by every buffer")
     common.add_argument("--entropy-region", choices=("sinks", "evictable"), help="entrokv-edge: keys of the entropy")

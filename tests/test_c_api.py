@@ -36,6 +36,13 @@ int main(int argc, char ** argv) {
 
     struct llama_entrokv_geometry g;
     llama_entrokv_get_geometry(ctx, &g);
+    static float vn[1 << 16];
+    if ((size_t) g.n_slots * g.kv_size > sizeof(vn) / sizeof(vn[0])) { return 71; }
+    if (llama_entrokv_value_norms(ctx, vn, (size_t) g.n_slots * g.kv_size)) { return 72; }
+    int n_norms = 0;   /* kept cells with a value: each slot's first `kept` cells */
+    for (int s = 0; s < g.n_slots; ++s) {
+        for (int c = 0; c < (int) g.kv_size; ++c) { n_norms += vn[(size_t) s * g.kv_size + c] > 0.0f; }
+    }
     llama_token t = 5;
     for (int i = 0; i < 20; ++i) {
         if (llama_decode(ctx, llama_batch_get_one(&t, 1))) { return 70; }
@@ -46,8 +53,8 @@ int main(int argc, char ** argv) {
     int32_t out[64];
     p.budget = 4;   /* 0 pages of 8: below the protected pages, refused */
     const int bad = llama_entrokv_select_pages(sc, 1, 1, 1, 64, &p, out, 64);
-    printf("kept %d used %u compactions %d pos_max %d after %d bad %d\n",
-           kept, g.n_used, g.n_compactions, g.pos_max, g2.pos_max, bad);
+    printf("kept %d used %u compactions %d pos_max %d after %d bad %d norms %d slots %d\n",
+           kept, g.n_used, g.n_compactions, g.pos_max, g2.pos_max, bad, n_norms, g.n_slots);
     llama_free(ctx);
     llama_model_free(model);
     return 0;
@@ -64,4 +71,7 @@ def test_a_c_program_evicts_with_page_entrokv(tmp_path, synth_models):
                     "-L", str(lib_dir()), "-lllama", f"-Wl,-rpath,{lib_dir()}"], check=True, capture_output=True)
     r = subprocess.run([str(exe), str(synth_models["llama-r3"])], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "kept 48 used 48 compactions 1 pos_max 119 after 139 bad -5"  # 120 tokens = 15 pages of 8
+    head, norms = r.stdout.strip().split(" norms ")
+    assert head == "kept 48 used 48 compactions 1 pos_max 119 after 139 bad -5"  # 120 tokens = 15 pages of 8
+    n_norms, n_slots = map(int, norms.split(" slots "))
+    assert n_slots == 4 and n_norms == 48 * n_slots      # every kept cell of every slot has a value, the rest 0

@@ -129,5 +129,5 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     want = {"edge option on another policy": "belong to the entrokv-edge policy", "edge pool even": "odd",
             "edge spread negative": "spread must be an integer >= 0",
             "edge decay zero": "decay must be a number in (0, 1]",
-            "edge value power": "value_power must be a number in [0, 8]"}.get(case)
+            "edge value power": "value_power must be a number in [0, 4]"}.get(case)
     assert want is None or want in lines[0], lines[0]

@@ -85,6 +85,42 @@ def test_value_norms_follow_their_tokens_through_a_compaction(synth_models, fa):
     assert not after[~kept].any()
 
 
+@pytest.mark.parametrize("fa", [False, True])
+def test_value_norms_of_freed_cells_are_0_and_the_others_the_states(synth_models, fa):
+    """A hole cut with seq_rm (cells 10..19 freed, the cells after them still in use), then a
+    per-head compaction and more tokens decoded after it: each time the native norms of the
+    cells in use equal the reference's (the state serializes exactly those cells) and every
+    other cell reads 0."""
+    from llama_cpp import llama_cpp as C
+    llm = make_llm(synth_models["llama-r3"], type_k="f16", flash_attn=fa)
+    llm.eval([int(t) for t in prompt(9)])
+    assert C.llama_memory_seq_rm(llm._ctx.memory, 0, 10, 20)
+
+    def check():
+        got, g = ek.value_norms(llm), ek.geometry(llm)
+        used = np.zeros(g.kv_size, dtype=bool)
+        used[np.unique(np.nonzero(ek.true_positions(llm) >= 0)[1])] = True
+        np.testing.assert_allclose(got[:, used], reference_norms(state_blob(llm), g), rtol=2e-6, atol=1e-6)
+        assert (got[:, used] > 0).all() and not got[:, ~used].any()
+        return used
+
+    used = check()
+    assert not used[10:20].any() and used[:10].all() and used[20:N].all()
+    # compaction: each slot's kept tokens move to cells 0..K-1; then 5 more tokens are decoded
+    llm = make_llm(synth_models["llama-r3"], type_k="f16", flash_attn=fa)
+    llm.eval([int(t) for t in prompt(9)])
+    g = ek.geometry(llm)
+    ek.compact(llm, random_keep(np.random.default_rng(2), g.n_slots, N, 20, protect=4))
+    llm.eval([7, 8, 9, 10, 11])
+    assert check().sum() == 25
+    # the controller's map by true position: the decoded tokens (positions N..N+4) keep their own norms
+    tp = ek.true_positions(llm)
+    by_pos = PageEntroKV._values_by_position(llm, tp, N + 5, g.n_layers, g.layers[0].n_head_kv).reshape(g.n_slots, -1)
+    vn = ek.value_norms(llm)
+    want = np.array([[vn[s, np.flatnonzero(tp[s] == p)[0]] for p in range(N, N + 5)] for s in range(g.n_slots)])
+    np.testing.assert_array_equal(by_pos[:, N:], want)
+
+
 def test_value_norms_refuse_a_short_buffer_and_a_null_context(synth_models):
     from entrokv_edge.bindings.native import _api, context_pointer
     ffi, lib = _api()
@@ -122,3 +158,16 @@ def test_value_power_selects_from_the_value_weighted_scores(synth_models):
         assert ek.geometry(llm).n_used == 64
         picks[a] = want
     assert not np.array_equal(picks[0.0], picks[2.0])
+
+
+@pytest.mark.parametrize("fa", [False, True])
+def test_value_norms_of_a_real_iswa_model(gemma3, fa):
+    """Gemma 3 270M (Q8_0 weights, an iswa model): the norms of its full-attention cache (the
+    one llama_entrokv acts on) equal the reference's from the first cache in its state."""
+    llm = make_llm(gemma3, n_ctx=256, type_k="f16", flash_attn=fa)
+    llm.eval(llm.tokenize(b"The locker with the otter sticker opens with code 4812. " * 6))
+    g = ek.geometry(llm)
+    assert g.is_iswa and g.v_trans == (not fa)
+    got, n = ek.value_norms(llm), g.n_used
+    np.testing.assert_allclose(got[:, :n], reference_norms(state_blob(llm), g), rtol=2e-6, atol=1e-6)
+    assert (got[:, :n] > 0).all() and not got[:, n:].any()

@@ -157,28 +157,27 @@ def used_cells(llm) -> int:
     return int(g.n_used)
 
 
-def true_positions(llm) -> np.ndarray:
-    """int32 [n_slots, kv_size]: the true position of the token each cell holds for
-    each (layer, KV head) slot, -1 for empty cells."""
+def _slot_table(llm, fn: str, dtype, ctype: str) -> np.ndarray:
+    """[n_slots, kv_size] of dtype, filled by the native call ``fn(ctx, out, n_out)``."""
     ffi, lib = _api()
     ctx = context_pointer(llm)
     g = ffi.new("struct llama_entrokv_geometry *")
     _check(lib.llama_entrokv_get_geometry(ctx, g))
-    out = np.empty((g.n_slots, g.kv_size), dtype=np.int32)
-    _check(lib.llama_entrokv_true_pos(ctx, ffi.from_buffer("int32_t[]", out), out.size))
+    out = np.empty((g.n_slots, g.kv_size), dtype=dtype)
+    _check(getattr(lib, fn)(ctx, ffi.from_buffer(f"{ctype}[]", out), out.size))
     return out
+
+
+def true_positions(llm) -> np.ndarray:
+    """int32 [n_slots, kv_size]: the true position of the token each cell holds for
+    each (layer, KV head) slot, -1 for empty cells."""
+    return _slot_table(llm, "llama_entrokv_true_pos", np.int32, "int32_t")
 
 
 def value_norms(llm) -> np.ndarray:
     """float32 [n_slots, kv_size]: the Euclidean norm of the value vector each cell holds for
     each (layer, KV head) slot, 0 for empty cells (read from V in whatever backend holds it)."""
-    ffi, lib = _api()
-    ctx = context_pointer(llm)
-    g = ffi.new("struct llama_entrokv_geometry *")
-    _check(lib.llama_entrokv_get_geometry(ctx, g))
-    out = np.empty((g.n_slots, g.kv_size), dtype=np.float32)
-    _check(lib.llama_entrokv_value_norms(ctx, ffi.from_buffer("float[]", out), out.size))
-    return out
+    return _slot_table(llm, "llama_entrokv_value_norms", np.float32, "float")
 
 
 def _check_int32_range(a: np.ndarray) -> None:

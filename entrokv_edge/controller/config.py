@@ -50,7 +50,7 @@ class EvictionConfig:
     head_pool      : how a group's heads are pooled: "entropy" (the method's weights), "max"
                      (the largest share any head gives a page) or "rank" (the best rank any
                      head gives a page: the head-independent union cut to the budget)
-    value_power    : a >= 0 (0: off): each head's score of key t is multiplied by ||v_t||^a, the
+    value_power    : a in [0, 4] (0: off): each head's score of key t is multiplied by ||v_t||^a, the
                      norm of the value vector its group buffer holds for t (read from the cache):
                      what a head's output loses with a key is its attention times that value, so
                      keys with small values matter less (VATP's value-aware score, generalized)
@@ -96,8 +96,8 @@ class EvictionConfig:
                 not (0.0 <= self.consensus < 1.0):
             bad(f"consensus must be a share in [0, 1), got {self.consensus!r}")
         if isinstance(self.value_power, bool) or not isinstance(self.value_power, (int, float)) or \
-                not (0.0 <= self.value_power <= 8.0) or math.isnan(self.value_power):
-            bad(f"value_power must be a number in [0, 8], got {self.value_power!r}")
+                not (0.0 <= self.value_power <= 4.0):
+            bad(f"value_power must be a number in [0, 4], got {self.value_power!r}")
         if self.head_pool not in HEAD_POOLS:
             bad(f"head_pool must be one of {', '.join(HEAD_POOLS)}, got {self.head_pool!r}")
         if self.entropy_region not in ENTROPY_REGIONS:

@@ -104,7 +104,8 @@ LLAMA_API int32_t llama_entrokv_true_pos(
 
 // Fill out[s * kv_size + c] with the Euclidean norm of the value vector (head_dim_v elements)
 // that cell c of slot s holds, 0 for an empty cell. n_out must be >= n_slots * kv_size.
-// V is read from whatever backend holds it (one copy of each layer's used cells to the host)
+// V is read from whatever backend holds it (after llama_synchronize): each layer's cells up to
+// the last used one, copied to the host (transposed V: in blocks of about 4 MiB of channel rows),
 // and converted to float by ggml (F32, F16, BF16 and the quantized types). Reads only.
 LLAMA_API int32_t llama_entrokv_value_norms(
         struct llama_context * ctx,

@@ -260,47 +260,50 @@ void llama_entrokv_access::fill_true_pos(const llama_kv_cache & kv, int32_t * ou
     }
 }
 
-int32_t llama_entrokv_access::true_pos(llama_context * ctx, int32_t * out, size_t n_out) {
-    entrokv_target t;
-    if (int32_t rc = resolve(ctx, t)) {
+// the checks of an API call that fills out[n_slots][kv_size]: resolve the cache, out non-NULL and large enough
+static int32_t resolve_slot_table(llama_context * ctx, entrokv_target & t, const void * out, size_t n_out) {
+    if (int32_t rc = llama_entrokv_access::resolve(ctx, t)) {
         return rc;
     }
-    const llama_kv_cache & kv = *t.kv;
-    const int32_t ns = n_slots(kv);
-    const uint32_t kv_size = kv.get_size();
+    const size_t need = (size_t) llama_entrokv_access::n_slots(*t.kv) * t.kv->get_size();
     if (out == nullptr) {
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "out is NULL");
     }
-    if (n_out < (size_t) ns * kv_size) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BUFFER_SIZE, "out holds %zu values, need n_slots * kv_size = %zu", n_out, (size_t) ns * kv_size);
+    if (n_out < need) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BUFFER_SIZE, "out holds %zu values, need n_slots * kv_size = %zu", n_out, need);
     }
-    fill_true_pos(kv, out, kv_size);
+    return LLAMA_ENTROKV_OK;
+}
+
+int32_t llama_entrokv_access::true_pos(llama_context * ctx, int32_t * out, size_t n_out) {
+    entrokv_target t;
+    if (int32_t rc = resolve_slot_table(ctx, t, out, n_out)) {
+        return rc;
+    }
+    fill_true_pos(*t.kv, out, t.kv->get_size());
     return llama_entrokv_ok();
 }
 
 // Norm of each cell's value vector per slot. The cells past the last used one are not read.
 int32_t llama_entrokv_access::value_norms(llama_context * ctx, float * out, size_t n_out) {
     entrokv_target t;
-    if (int32_t rc = resolve(ctx, t)) {
+    if (int32_t rc = resolve_slot_table(ctx, t, out, n_out)) {
         return rc;
     }
     const llama_kv_cache & kv = *t.kv;
-    const int32_t ns = n_slots(kv);
     const uint32_t kv_size = kv.get_size();
-    if (out == nullptr) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "out is NULL");
-    }
-    if (n_out < (size_t) ns * kv_size) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BUFFER_SIZE, "out holds %zu values, need n_slots * kv_size = %zu", n_out, (size_t) ns * kv_size);
-    }
     for (const auto & l : kv.layers) {
         if (l.v->type != GGML_TYPE_F32 && ggml_get_type_traits(l.v->type)->to_float == nullptr) {
             return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "layer %u: V of type %s cannot be converted to float", l.il, ggml_type_name(l.v->type));
+        }
+        if ((int64_t) kv.hparams.n_embd_head_v(l.il) * kv.hparams.n_head_kv(l.il) != (int64_t) kv.hparams.n_embd_v_gqa(l.il)) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "layer %u: V rows are not n_head_kv x head_dim_v", l.il);
         }
         if (kv.v_trans && ggml_is_quantized(l.v->type)) {
             return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "layer %u: transposed V of quantized type %s", l.il, ggml_type_name(l.v->type));
         }
     }
+    llama_synchronize(ctx);     // the last decode may still be writing V on an asynchronous backend
     const auto & cells = kv.v_cells[0];
     const uint32_t n_cells = std::min(cells.used_max_p1(), kv_size);
     std::vector<uint8_t> raw;
@@ -317,7 +320,7 @@ int32_t llama_entrokv_access::value_norms(llama_context * ctx, float * out, size
     for (const auto & l : kv.layers) {
         const int64_t n_embd = kv.hparams.n_embd_v_gqa(l.il);
         const int32_t nh     = (int32_t) kv.hparams.n_head_kv(l.il);
-        const int64_t hd     = n_embd / nh;
+        const int64_t hd     = kv.hparams.n_embd_head_v(l.il);
         std::fill(o, o + (size_t) nh * kv_size, 0.0f);
         if (n_cells > 0 && !kv.v_trans) {       // row c: the n_embd values of cell c, head after head
             const size_t row = ggml_row_size(l.v->type, n_embd);
@@ -338,17 +341,22 @@ int32_t llama_entrokv_access::value_norms(llama_context * ctx, float * out, size
                 }
             }
         } else if (n_cells > 0) {               // transposed: row j holds channel j of every cell
-            // one read (one round trip on a remote backend) from row 0 to row n_embd-1's last used cell
-            const size_t el = ggml_type_size(l.v->type);
-            raw.resize(((size_t) (n_embd - 1) * kv_size + n_cells) * el);
-            ggml_backend_tensor_get(l.v, raw.data(), 0, raw.size());
+            // rows in blocks of about 4 MiB, each block one read (one round trip on a remote backend)
+            const size_t el    = ggml_type_size(l.v->type);
+            const size_t pitch = (size_t) kv_size * el;
+            const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(n_embd, (int64_t) ((4u << 20) / pitch)));
             f.resize(n_cells);
             std::vector<double> acc((size_t) nh * n_cells, 0.0);
-            for (int64_t j = 0; j < n_embd; ++j) {
-                to_float(l.v->type, raw.data() + (size_t) j * kv_size * el, f.data(), n_cells);
-                double * a = acc.data() + (size_t) (j / hd) * n_cells;
-                for (uint32_t c = 0; c < n_cells; ++c) {
-                    a[c] += (double) f[c] * f[c];
+            for (int64_t j0 = 0; j0 < n_embd; j0 += rows) {
+                const int64_t nr = std::min(rows, n_embd - j0);
+                raw.resize((size_t) (nr - 1) * pitch + (size_t) n_cells * el);
+                ggml_backend_tensor_get(l.v, raw.data(), (size_t) j0 * pitch, raw.size());
+                for (int64_t j = j0; j < j0 + nr; ++j) {
+                    to_float(l.v->type, raw.data() + (size_t) (j - j0) * pitch, f.data(), n_cells);
+                    double * a = acc.data() + (size_t) (j / hd) * n_cells;
+                    for (uint32_t c = 0; c < n_cells; ++c) {
+                        a[c] += (double) f[c] * f[c];
+                    }
                 }
             }
             for (int32_t h = 0; h < nh; ++h) {
