@@ -14,7 +14,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 import entrokv_edge  # noqa: E402,F401  (binds llama_cpp to the patched library first)
-from entrokv_edge import EntroKVLlama, Observation, compact, geometry  # noqa: E402
+from entrokv_edge import EntroKVLlama, Observation, compact, geometry, value_norms  # noqa: E402
 from entrokv_edge.runtime.rpc import add_servers  # noqa: E402
 from helpers import feed, make_llm, random_keep  # noqa: E402
 
@@ -42,6 +42,7 @@ def main(endpoint: str, model: str, out: str) -> None:
             keep = random_keep(np.random.default_rng(7), g.n_slots, len(toks), len(toks) // 3, protect=8)
             compact(llm, keep)
             res[f"{cname}/{pname}/scores"] = obs.last.scores
+            res[f"{cname}/{pname}/norms"] = value_norms(llm)       # read back from the RPC buffers
             res[f"{cname}/{pname}/logits"] = feed(llm, llm.tokenize(b" Where is the key?", add_bos=False))
             llm.close()
     for pname in ("cpu", "split"):

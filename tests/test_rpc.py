@@ -112,6 +112,19 @@ def test_compaction_on_rpc_gives_the_cpu_logits(rpc_results, cache, placement):
 
 
 @needs_rpc
+@pytest.mark.parametrize("cache", ["f32", "f16fa"])
+@pytest.mark.parametrize("placement", ["rpc", "split"])
+def test_value_norms_read_from_rpc_equal_the_cpu_run(rpc_results, cache, placement):
+    """llama_entrokv_value_norms on V held by the RPC server (transposed F32, or F16 rows),
+    after the per-head compaction: the CPU run's norms, cell by cell; 0 past the kept cells."""
+    ref = rpc_results[f"{cache}/cpu/norms"]
+    got = rpc_results[f"{cache}/{placement}/norms"]
+    K = int((ref > 0).sum(axis=1)[0])
+    assert got.shape == ref.shape and K > 0 and (ref[:, :K] > 0).all() and not ref[:, K:].any()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_rpc
 def test_long_prompt_through_a_small_cache_split_over_rpc(rpc_results):
     assert int(rpc_results["long/cpu/n_prompt"]) > 3 * 256          # three caches' worth of prompt
     assert int(rpc_results["long/split/evictions"]) >= 3
