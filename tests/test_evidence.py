@@ -121,3 +121,13 @@ def test_variants_keep_the_budget_and_are_graded_against_the_full_cache(variants
     assert "**heldout4 split**" in text and "flight-gate needles" in text
     assert "**heldout5 split**" in text and "locker-code needles" in text
     assert "vs page-entrokv: answers" in text and "Issue 7's goal" in text
+
+
+def test_eviction_cost_times_every_setting_on_the_same_prompt():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eviction_cost.py"), "--models", "smollm2-135m",
+                        "--lengths", "1024", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("smollm2-135m")]
+    assert len(lines) == 1
+    n, *secs = lines[0].split()[1:]
+    assert 1000 <= int(n) <= 1024 and len(secs) == 4 and all(float(x) > 0 for x in secs)
