@@ -61,9 +61,12 @@ def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc):
     assert all(d["answer"].strip() for d in runs.values())
 
 
-def test_a_prompt_longer_than_the_cache_runs(smollm2, doc):
+@pytest.mark.parametrize("extra", [[], ["--value-power", 2]])
+def test_a_prompt_longer_than_the_cache_runs(smollm2, doc, extra):
+    """Evictions between chunks of the prompt: every one after the first works on a cache that
+    was evicted before (value_power: the norms mapped from cells to true positions)."""
     rc, out, err = cli("run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 512,
-                       "--budget", 256, "--json", "--max-tokens", 4)
+                       "--budget", 256, "--json", "--max-tokens", 4, *extra)
     assert rc == 0, err
     d = json.loads(out)
     assert d["logical_tokens"] > 512 >= d["kept_tokens"] and d["evictions"] >= 2 and d["eviction_s"] > 0
