@@ -109,9 +109,7 @@ class PageEntroKV:
         s[li, hi, tp_obs[li, hi, ci]] = scores.scores[li, hi, ci]
         scored = np.zeros((L, H, n), dtype=bool)
         scored[li, hi, tp_obs[li, hi, ci]] = True
-        present = np.zeros((L * G, n), dtype=bool)
-        si, ci = np.nonzero(tp_now >= 0)
-        present[si, tp_now[si, ci]] = True
+        present = PageEntroKV._by_position(tp_now, n, tp_now >= 0)              # [L * G, n]
         present_lh = present.reshape(L, G, n)[:, np.arange(H) // r]              # [L, H, n]
         unscored = present_lh & ~scored
         if unscored.any():
@@ -127,10 +125,16 @@ class PageEntroKV:
         vn = value_norms(llm)                                                     # [L * G, kv_size]
         if tp_now is None:
             return vn[:, :n].reshape(L, G, n)
-        out = np.zeros((L * G, n), dtype=np.float32)
+        return PageEntroKV._by_position(tp_now, n, vn).reshape(L, G, n)
+
+    @staticmethod
+    def _by_position(tp_now: np.ndarray, n: int, per_cell: np.ndarray) -> np.ndarray:
+        """[n_slots, n]: per_cell [n_slots, kv_size] moved from each slot's cells to the true
+        positions they hold (zero / False at the positions a slot does not hold)."""
+        out = np.zeros((tp_now.shape[0], n), dtype=per_cell.dtype)
         si, ci = np.nonzero((tp_now >= 0) & (tp_now < n))
-        out[si, tp_now[si, ci]] = vn[si, ci]
-        return out.reshape(L, G, n)
+        out[si, tp_now[si, ci]] = per_cell[si, ci]
+        return out
 
     @staticmethod
     def _cells_of(tp_now: np.ndarray, keep_pos: np.ndarray, n: int) -> np.ndarray:
