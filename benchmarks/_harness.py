@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import entrokv_edge as ek
+from entrokv_edge.controller.lookahead import lookahead_scores
 from llama_cpp import llama_cpp as C
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -201,7 +202,10 @@ def evict_from(llm, snap: Snapshot, cfg: ek.EvictionConfig, needles=None) -> dic
     restore(llm, snap)
     if cfg.policy == "full":
         return {"policy": "full", "kept_tokens": snap.n_tokens}
-    return ek.PageEntroKV(cfg).evict(llm, snap.scores, needles=needles).metrics
+    scores = snap.scores
+    if cfg.lookahead:     # the draft runs on the restored, whole cache, as after a prefill
+        scores = lookahead_scores(llm, scores, cfg.lookahead, llm.eval)
+    return ek.PageEntroKV(cfg).evict(llm, scores, needles=needles).metrics
 
 
 def greedy(llm, first_logits: np.ndarray, n: int, stop: set[int]) -> list[int]:

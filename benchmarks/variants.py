@@ -102,6 +102,30 @@ heldout5 runs once, with the baselines, the defaults and the candidate:
 4's defaults stay, value_power stays an option, default 0. Both models mostly restate the
 question before the code on heldout5, so the 24-token answers cut many: the full cache answers
 8 of 30 there.)
+
+Round 6 (2026-11-30). A new option, lookahead: before the eviction, k tokens are drafted
+greedily with the whole cache; their attention joins the window's (each query one vote) and
+the drafted tokens are removed again (controller/lookahead.py). Reason: the window's queries
+are the question's, while KL is measured along the answer; an oracle that scores keys with
+the full cache's whole answer (scratch) showed how much that gap costs: with those scores a
+UOR = 1 selection (page size 1, max over the group's heads) had lower KL than head-independent
+(window scores, about 2x the tokens) on 91 of 111 tuning prompts. All six splits above have
+been read, so they are tuning data. Scratch runs (the drafted tokens evaluated as one observed
+ubatch on the cached prefills, on top of round 4's defaults; stopped after 111 of the 144
+prompts for time: every SmolLM2 prompt and Gemma 3's tune, heldout, heldout2 and part of
+heldout3), paired KL wins-losses against round 4's defaults and the full cache's right answers
+kept (defaults: 74 of 77): k = 8: 80-31 (76), k = 16: 96-15 (76), k = 24: 100-11 (76), mean KL
+0.0307 / 0.0158 / 0.0128 vs 0.0329.
+The rule, fixed before heldout6 was built or run: among the round-6 candidates keeping at least
+as many of the full cache's right answers on those prompts as round 4's defaults, the one with
+the most paired KL wins against them (k = 24) replaces them only if, on heldout6, it keeps at
+least as many of the full cache's right answers as they do and has more paired KL wins than
+losses against them. heldout6 runs once, with the baselines, the defaults and the candidate:
+  heldout6 drawer needles ("The spare key for <name>'s bicycle is in drawer <3 digits>."),
+           the question asking for the drawer number only (so that the 24-token answers are not
+           cut by a restated question, as on heldout5), haystack from essay 17 on (essays 17-22:
+           none of the other splits' essays, nor the UOR / fidelity prompts' #0-7), depths
+           12/32/52/72/92
 """
 from __future__ import annotations
 
@@ -157,6 +181,8 @@ CONFIGS = {
     "edge:P4+rank+pool7+spread32+decay0.9": dict(EDGE_OFF, page_size=4, head_pool="rank", pool=7, spread=32, decay=0.9),
     **{f"edge:P4+rank+pool7+spread24+decay0.85+values{a:g}":      # round 5: round 4's choice, value-weighted
        dict(EDGE_OFF, page_size=4, head_pool="rank", pool=7, spread=24, decay=0.85, value_power=a) for a in (1.5, 2.0, 2.5)},
+    **{f"edge:P4+rank+pool7+spread24+decay0.85+look{k}":        # round 6: round 4's choice, with a draft
+       dict(EDGE_OFF, page_size=4, head_pool="rank", pool=7, spread=24, decay=0.85, lookahead=k) for k in (8, 16, 24)},
     "edge:a-priori": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable"),
     "edge:a-priori P8": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable", page_size=8),
     "entrokv-edge": dict(policy="entrokv-edge"),      # its defaults (EDGE_DEFAULTS), chosen by the rounds below
@@ -174,6 +200,7 @@ ROUNDS = {
 }
 ROUNDS["round 4"] = ROUNDS["round 3"]      # the same choice on the same splits: round 3's candidate, retested
 ROUNDS["round 5"] = [f"edge:P4+rank+pool7+spread24+decay0.85+values{a:g}" for a in (1.5, 2.0, 2.5)]
+ROUNDS["round 6"] = [f"edge:P4+rank+pool7+spread24+decay0.85+look{k}" for k in (8, 16, 24)]
 BASELINES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", "no-isolation", "streaming")
 SPLITS = {
     "tune": dict(offset=0, depths=[20, 50, 80], needle="sandwich"),
@@ -182,6 +209,7 @@ SPLITS = {
     "heldout3": dict(offset=41, depths=[15, 35, 55, 75, 95], needle="room"),
     "heldout4": dict(offset=9, depths=[10, 30, 50, 70, 90], needle="gate"),
     "heldout5": dict(offset=15, depths=[5, 25, 45, 65, 85], needle="locker"),
+    "heldout6": dict(offset=17, depths=[12, 32, 52, 72, 92], needle="drawer"),
 }
 FULL = dict(lengths=[2048, 4096, 8192], budget=0.2, max_answer=24)
 QUICK = dict(lengths=[1024], budget=0.2, max_answer=24)
@@ -208,7 +236,8 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str
     and question) and the expected number. kind "magic": RULER's form, a city and 7 digits;
     "passkey": a coloured door's pass key, 5 digits; "room": a person's meeting room, 3 digits,
     followed by a floor number (the answer sits mid-sentence); "gate": a flight's gate, a letter
-    and 2 digits; "locker": the code of a locker with an animal sticker, 4 digits."""
+    and 2 digits; "locker": the code of a locker with an animal sticker, 4 digits; "drawer": the
+    drawer of a spare key, 3 digits, the question asking for the number only."""
     rng = random.Random(seed)
     if kind == "magic":
         key, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
@@ -230,6 +259,10 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str
         key, number = rng.choice(ANIMALS), str(rng.randrange(1000, 10_000))
         needle = f"\nThe locker with the {key} sticker opens with code {number}.\n"
         question = f"What is the code of the locker with the {key} sticker?"
+    elif kind == "drawer":
+        key, number = rng.choice(NAMES), str(rng.randrange(100, 1000))
+        needle = f"\nThe spare key for {key}'s bicycle is in drawer {number}.\n"
+        question = f"In which drawer is the spare key for {key}'s bicycle? Answer with the drawer number."
     else:
         raise ValueError(f"unknown needle kind {kind!r}")
     head, tail = H.chat_parts(llm, question, system=False)

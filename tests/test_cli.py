@@ -52,7 +52,7 @@ def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc):
     P = EDGE_DEFAULTS["page_size"]          # entrokv-edge's default page size; the others at the same size
     for extra in (["--policy", "page-entrokv", "--page-size", P], ["--policy", "entrokv-edge"],
                   ["--policy", "entrokv-edge", "--page-size", P, "--pool", 3, "--spread", 4, "--decay", 0.8,
-                   "--consensus", 0.5, "--entropy-region", "sinks", "--value-power", 2]):
+                   "--consensus", 0.5, "--entropy-region", "sinks", "--value-power", 2, "--lookahead", 4]):
         rc, out, err = cli(*common, *extra)
         assert rc == 0, err
         runs[" ".join(map(str, extra))] = json.loads(out)
@@ -61,10 +61,11 @@ def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc):
     assert all(d["answer"].strip() for d in runs.values())
 
 
-@pytest.mark.parametrize("extra", [[], ["--value-power", 2]])
+@pytest.mark.parametrize("extra", [[], ["--value-power", 2], ["--lookahead", 8]])
 def test_a_prompt_longer_than_the_cache_runs(smollm2, doc, extra):
     """Evictions between chunks of the prompt: every one after the first works on a cache that
-    was evicted before (value_power: the norms mapped from cells to true positions)."""
+    was evicted before (value_power: the norms mapped from cells to true positions; lookahead:
+    the draft after the prompt's last piece, on a cache evicted before)."""
     rc, out, err = cli("run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 512,
                        "--budget", 256, "--json", "--max-tokens", 4, *extra)
     assert rc == 0, err
@@ -98,7 +99,7 @@ def test_chat_with_save_load_and_stats(smollm2, tmp_path):
 @pytest.mark.parametrize("case", ["missing model", "not gguf", "corrupt gguf", "empty prompt", "page size",
                                   "budget below protected", "budget above cache", "binary file", "unknown name",
                                   "unsupported architecture", "edge option on another policy", "edge pool even",
-                                  "edge spread negative", "edge decay zero", "edge value power"])
+                                  "edge spread negative", "edge decay zero", "edge value power", "edge lookahead"])
 def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     from synth import write_model
     notgguf = tmp_path / "x.gguf"
@@ -122,6 +123,7 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
         "edge spread negative": ["-m", smollm2, "-f", doc, "--spread", -2],
         "edge decay zero": ["-m", smollm2, "-f", doc, "--decay", 0],
         "edge value power": ["-m", smollm2, "-f", doc, "--value-power", -1],
+        "edge lookahead": ["-m", smollm2, "-f", doc, "--lookahead", 65],
         "unsupported architecture": ["-m", write_model(tmp_path / "vl.gguf", arch="qwen2vl", n_head=4, n_head_kv=2),
                                      "-p", "hello there, how are you doing today my friend", "--budget", 1.0],
     }[case]
@@ -132,5 +134,6 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     want = {"edge option on another policy": "belong to the entrokv-edge policy", "edge pool even": "odd",
             "edge spread negative": "spread must be an integer >= 0",
             "edge decay zero": "decay must be a number in (0, 1]",
-            "edge value power": "value_power must be a number in [0, 4]"}.get(case)
+            "edge value power": "value_power must be a number in [0, 4]",
+            "edge lookahead": "lookahead must be an integer in [0, 64]"}.get(case)
     assert want is None or want in lines[0], lines[0]

@@ -361,6 +361,13 @@ def test_edge_options_are_validated_and_resolved():
         EvictionConfig(policy="head-independent", value_power=2)
     assert EvictionConfig(policy="entrokv-edge", value_power=2).value_power == 2 and \
         EvictionConfig(policy="page-entrokv").value_power == 0.0
+    for bad in (-1, 65, True, 4.0, "8", 2.5):
+        with pytest.raises(ValueError, match=r"lookahead must be an integer in \[0, 64\]"):
+            EvictionConfig(policy="entrokv-edge", lookahead=bad)
+    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
+        EvictionConfig(policy="page-entrokv", lookahead=8)
+    assert EvictionConfig(policy="entrokv-edge", lookahead=64).lookahead == 64 and \
+        EvictionConfig(policy="max-pool").lookahead == 0
 
 
 @settings(max_examples=40, deadline=None)

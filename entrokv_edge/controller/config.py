@@ -11,10 +11,11 @@ POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # entrokv-edge's settings where the user leaves them unset (None); page-entrokv = all off.
 # Chosen by benchmarks/variants.py's rounds (round 4 made these the defaults; round 1's: page_size 16, pool 7, rank)
 EDGE_DEFAULTS = {"page_size": 4, "pool": 7, "spread": 24, "decay": 0.85, "consensus": 0.0, "entropy_region": "sinks",
-                 "head_pool": "rank", "value_power": 0.0}
+                 "head_pool": "rank", "value_power": 0.0, "lookahead": 0}
 OFF = {"page_size": 16, "pool": 0, "spread": 0, "decay": 1.0, "consensus": 0.0, "entropy_region": "sinks",
-       "head_pool": "entropy", "value_power": 0.0}
-EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool", "value_power")
+       "head_pool": "entropy", "value_power": 0.0, "lookahead": 0}
+EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool", "value_power", "lookahead")
+MAX_LOOKAHEAD = 64
 ENTROPY_REGIONS = ("sinks", "evictable")
 HEAD_POOLS = ("entropy", "max", "rank")
 
@@ -54,6 +55,11 @@ class EvictionConfig:
                      norm of the value vector its group buffer holds for t (read from the cache):
                      what a head's output loses with a key is its attention times that value, so
                      keys with small values matter less (VATP's value-aware score, generalized)
+    lookahead      : k in [0, MAX_LOOKAHEAD] (0: off): before the eviction after a prompt, up to k
+                     tokens are drafted greedily with the whole cache and their attention joins
+                     the window's (each query one vote); the drafted tokens are then removed,
+                     so they only decide what is kept (controller/lookahead.py). The window
+                     sees the question; the draft sees where the answer looks
     page_size None: 16 (or entrokv-edge's default).
     """
 
@@ -72,6 +78,7 @@ class EvictionConfig:
     entropy_region: str | None = None
     head_pool: str | None = None
     value_power: float | None = None
+    lookahead: int | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -98,6 +105,9 @@ class EvictionConfig:
         if isinstance(self.value_power, bool) or not isinstance(self.value_power, (int, float)) or \
                 not (0.0 <= self.value_power <= 4.0):
             bad(f"value_power must be a number in [0, 4], got {self.value_power!r}")
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or \
+                not (0 <= self.lookahead <= MAX_LOOKAHEAD):
+            bad(f"lookahead must be an integer in [0, {MAX_LOOKAHEAD}], got {self.lookahead!r}")
         if self.head_pool not in HEAD_POOLS:
             bad(f"head_pool must be one of {', '.join(HEAD_POOLS)}, got {self.head_pool!r}")
         if self.entropy_region not in ENTROPY_REGIONS:

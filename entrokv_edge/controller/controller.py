@@ -16,6 +16,7 @@ from ..bindings import compact, geometry, true_positions, value_norms
 from ..bindings.observe import Observation, WindowScores
 from . import metrics as M
 from .config import EvictionConfig
+from .lookahead import lookahead_scores
 from .pages import page_scores, pages_to_positions
 from .policies import Selection, select
 from .weights import head_weights
@@ -43,7 +44,8 @@ class PageEntroKV:
 
     def prefill(self, llm, tokens, *, needles=None) -> EvictionResult:
         """Evaluate ``tokens`` on a fresh context, its last ``window`` tokens as one
-        observed ubatch, then evict. Bad settings raise before anything is evaluated."""
+        observed ubatch (with ``lookahead``: then the draft's tokens, removed again), then
+        evict. Bad settings raise before anything is evaluated."""
         cfg, tokens = self.config, [int(t) for t in tokens]
         n = len(tokens)
         if n == 0:
@@ -58,7 +60,10 @@ class PageEntroKV:
             llm.eval(tokens[: n - cfg.window])
         with Observation(llm, cfg.window) as obs:
             llm.eval(tokens[n - cfg.window:])
-        return self.evict(llm, obs.last, needles=needles)
+        scores = obs.last
+        if cfg.lookahead:
+            scores = lookahead_scores(llm, scores, cfg.lookahead, llm.eval)
+        return self.evict(llm, scores, needles=needles)
 
     def evict(self, llm, scores: WindowScores, *, needles=None, n_keep: int | None = None) -> EvictionResult:
         """Select with the configured policy from ``scores`` and compact ``llm``'s cache.

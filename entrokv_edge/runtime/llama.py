@@ -21,6 +21,7 @@ from ..bindings import EntroKVError, geometry, restore, set_last_logits, true_po
 from ..bindings.observe import Observation, WindowScores
 from ..controller import EvictionConfig, EvictionResult, PageEntroKV
 from ..controller.config import EDGE_OPTIONS, OFF
+from ..controller.lookahead import lookahead_scores
 from .._loader import ensure_llama_cpp
 
 llama_cpp = ensure_llama_cpp()
@@ -34,7 +35,7 @@ class EntroKVLlama(llama_cpp.Llama):
     Extra keyword arguments: the EvictionConfig settings (``budget``, ``page_size``,
     ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``, and entrokv-edge's
     ``pool``, ``spread``, ``decay``, ``consensus``, ``entropy_region``, ``head_pool``,
-    ``value_power``) or
+    ``value_power``, ``lookahead``) or
     ``eviction=EvictionConfig(...)``; ``logical_ctx`` (the longest conversation accepted,
     default: the model's training context); ``progress`` (a callable(done, total) called
     during long prefills); ``rpc_servers`` ("host:port" or a list: llama.cpp RPC servers
@@ -173,6 +174,10 @@ class EntroKVLlama(llama_cpp.Llama):
             self._eval_piece(tokens[done: done + piece], done, total)
             done += piece
         if total >= w and self._used() > self._budget_pages(self.n_tokens) * self.config.page_size + self.config.page_size:
+            if self.config.lookahead:           # the answer's first queries join the window's
+                self._ensure_ids(self.n_tokens + self.config.lookahead)
+                self._window_scores = lookahead_scores(self, self._window_scores, self.config.lookahead,
+                                                       super().eval)
             self.evict()                        # after a prompt: down to the budget
 
     def reset(self) -> None:

@@ -1,0 +1,126 @@
+"""lookahead: the draft's attention against an independent reference (the drafted tokens
+evaluated again as one observed ubatch on a twin context), the cache left as it was, and the
+controller and the runtime evicting with the mixed scores."""
+import numpy as np
+import pytest
+
+import entrokv_edge as ek
+from entrokv_edge.controller import select
+from entrokv_edge.controller.lookahead import lookahead_scores
+from entrokv_edge.controller.pages import pages_to_positions
+from helpers import logits, make_llm, state_blob
+from llama_cpp import llama_cpp as C
+from test_compaction import prompt
+
+W = 16
+
+
+def observed(llm, toks, w=W):
+    """Evaluate toks, the last w as one observed ubatch; the window's scores."""
+    toks = [int(t) for t in toks]
+    llm.eval(toks[:-w])
+    with ek.Observation(llm, w) as obs:
+        llm.eval(toks[-w:])
+    return obs.last
+
+
+def reference(path, toks, k, **kw):
+    """Window scores, the greedy draft (stopping before an end-of-generation token, at most
+    k tokens) and the draft's summed attention on the prompt's cells, from one batched
+    evaluation of the drafted tokens on a fresh context."""
+    a = make_llm(path, **kw)
+    win = observed(a, toks)
+    vocab = C.llama_model_get_vocab(a.model)
+    draft, lg = [], logits(a)
+    while len(draft) < k and not C.llama_vocab_is_eog(vocab, int(np.argmax(lg))):
+        draft.append(int(np.argmax(lg)))
+        a.eval([draft[-1]])
+        lg = logits(a)
+    a.close()
+    b = make_llm(path, **kw)
+    observed(b, toks)
+    with ek.Observation(b, len(draft)) as obs:
+        b.eval(draft)
+    n = len(toks)
+    summed = obs.last.scores[:, :, :n] * len(draft)     # mean over the drafted queries, times their count
+    b.close()
+    return win, draft, summed
+
+
+@pytest.mark.parametrize("model,fa", [("llama-r3", False), ("qwen2-r2", True)])
+def test_lookahead_scores_equal_the_batched_draft_and_leave_the_cache(synth_models, model, fa):
+    path = synth_models[model]
+    toks = prompt(11)
+    kw = dict(type_k="f32", flash_attn=fa)
+    win_ref, draft, summed = reference(path, toks, 6, **kw)
+    assert len(draft) >= 3                                   # a real draft, not the empty case
+    llm = make_llm(path, **kw)
+    win = observed(llm, toks)
+    np.testing.assert_array_equal(win.scores, win_ref.scores)
+    blob, lg, n = state_blob(llm), logits(llm), llm.n_tokens
+    mixed = lookahead_scores(llm, win, 6, llm.eval)
+    # the cache, the token count and the last logits as before the draft
+    assert state_blob(llm) == blob and np.array_equal(logits(llm), lg) and llm.n_tokens == n
+    assert ek.geometry(llm).n_used == n
+    want = (W * win.scores + summed) / (W + len(draft))
+    assert mixed.scores.shape == win.scores.shape
+    np.testing.assert_allclose(mixed.scores, want, rtol=1e-4, atol=1e-7)
+    assert np.abs(mixed.scores - win.scores).max() > 1e-3   # the draft moved the scores
+    assert mixed.pos_last == win.pos_last and np.array_equal(mixed.true_pos, win.true_pos)
+    # k = 0: the window's scores, nothing decoded
+    assert lookahead_scores(llm, win, 0, llm.eval) is win and state_blob(llm) == blob
+
+
+def test_the_draft_stops_where_the_cache_is_full(synth_models):
+    """Two free cells: two tokens drafted, whatever k asks."""
+    path = synth_models["llama-r3"]
+    kv = make_llm(path, n_ctx=256, type_k="f32")
+    n = ek.geometry(kv).kv_size - 2
+    kv.close()
+    toks = np.random.default_rng(3).integers(3, 300, n)
+    _, draft, summed = reference(path, toks, 2, type_k="f32")
+    assert len(draft) == 2
+    llm = make_llm(path, type_k="f32")
+    win = observed(llm, toks)
+    mixed = lookahead_scores(llm, win, 8, llm.eval)
+    np.testing.assert_allclose(mixed.scores, (W * win.scores + summed) / (W + 2), rtol=1e-4, atol=1e-7)
+    assert ek.geometry(llm).n_used == n
+
+
+def test_lookahead_refuses_scores_of_another_cache_state(synth_models):
+    llm = make_llm(synth_models["llama-r3"], type_k="f32")
+    win = observed(llm, prompt(12))
+    llm.eval([5, 6])                                 # tokens after the observed window
+    blob = state_blob(llm)
+    with pytest.raises(ValueError, match="last tokens"):
+        lookahead_scores(llm, win, 4, llm.eval)
+    with pytest.raises(ValueError, match="lookahead must be an integer"):
+        lookahead_scores(llm, win, -1, llm.eval)
+    assert state_blob(llm) == blob
+
+
+def test_controller_and_runtime_evict_with_the_mixed_scores(synth_models):
+    """PageEntroKV.prefill and EntroKVLlama (after a prompt) keep what select() keeps on the
+    window's scores mixed with the draft's; the runtime then answers from the prompt's logits."""
+    path = synth_models["llama-r3"]
+    toks = prompt(13)
+    cfg = ek.EvictionConfig(budget=24, page_size=4, window=W, sinks=4, lookahead=5)
+    twin = make_llm(path, type_k="f32")
+    mixed = lookahead_scores(twin, observed(twin, toks), 5, twin.eval)
+    n, r = len(toks), 3                                      # llama-r3: 6 query heads on 2 KV heads
+    sel = select(mixed.scores[:, :, :n], r, cfg, n)
+    want = pages_to_positions(sel.pages, cfg.page_size, n)
+    plain = select(observed(make_llm(path, type_k="f32"), toks).scores[:, :, :n], r, cfg, n)
+    assert not np.array_equal(plain.pages, sel.pages)        # lookahead changed what is kept
+
+    llm = make_llm(path, type_k="f32")
+    res = ek.PageEntroKV(cfg).prefill(llm, toks.tolist())
+    np.testing.assert_array_equal(res.positions, want)
+    assert llm.n_tokens == n
+
+    rt = ek.EntroKVLlama(str(path), n_ctx=256, n_batch=256, n_ubatch=256, type_k=0, type_v=0, verbose=False,
+                         seed=0, n_threads=2, eviction=cfg)
+    rt.eval(toks.tolist())
+    assert rt.n_evictions == 1 and rt.n_tokens == n
+    np.testing.assert_array_equal(rt.last_eviction.positions, want)
+    np.testing.assert_array_equal(logits(rt), logits(twin))   # the prompt's logits, restored after the draft
