@@ -197,12 +197,13 @@ def prefill_cached(llm, p: Prompt, cache_dir: str | os.PathLike | None, window: 
     return snaps
 
 
-def evict_from(llm, snap: Snapshot, cfg: ek.EvictionConfig, needles=None) -> dict:
-    """Restore ``snap`` and evict with ``cfg`` from its scores; returns the metrics."""
+def evict_from(llm, snap: Snapshot, cfg: ek.EvictionConfig, needles=None, scores=None) -> dict:
+    """Restore ``snap`` and evict with ``cfg`` from its scores (or from ``scores``, of the
+    same cache); returns the metrics."""
     restore(llm, snap)
     if cfg.policy == "full":
         return {"policy": "full", "kept_tokens": snap.n_tokens}
-    scores = snap.scores
+    scores = snap.scores if scores is None else scores
     if cfg.lookahead:     # the draft runs on the restored, whole cache, as after a prefill
         scores = lookahead_scores(llm, scores, cfg.lookahead, llm.eval)
     return ek.PageEntroKV(cfg).evict(llm, scores, needles=needles).metrics

@@ -7,7 +7,9 @@ Per model and length: one needle prompt of benchmarks/variants.py's heldout4 spl
 is prefilled once with its tail observed and snapshotted (llama_state_seq_*); each setting then
 restores the snapshot and evicts to 20% through PageEntroKV.evict (selection in numpy and the
 per-head compaction), the settings interleaved round by round; medians of the rounds. Also the
-native read of the value norms alone (llama_entrokv_value_norms, what value_power adds).
+native read of the value norms alone (llama_entrokv_value_norms, what value_power adds). With
+lookahead (entrokv-edge's default) the timed eviction includes its draft (up to k tokens decoded with
+the whole cache, then removed); "drafted": the tokens that draft decodes (it stops before the answer's end).
 """
 from __future__ import annotations
 
@@ -21,13 +23,15 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 import entrokv_edge as ek  # noqa: E402
+from entrokv_edge.controller.lookahead import lookahead_scores  # noqa: E402
 
 import _harness as H  # noqa: E402
 import variants as V  # noqa: E402
 
 SETTINGS = {"page-entrokv": dict(policy="page-entrokv"),
-            "entrokv-edge": dict(policy="entrokv-edge"),
-            "entrokv-edge value_power=2": dict(policy="entrokv-edge", value_power=2.0)}
+            "edge lookahead=0": dict(policy="entrokv-edge", lookahead=0),
+            "edge lookahead=0 value_power=2": dict(policy="entrokv-edge", lookahead=0, value_power=2.0),
+            "entrokv-edge (lookahead=24)": dict(policy="entrokv-edge")}       # its defaults
 
 
 def main(argv=None) -> int:
@@ -40,18 +44,24 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    print(f"{'model':14s} {'tokens':>7s} " + " ".join(f"{k + ' s':>28s}" for k in SETTINGS) + f" {'value norms s':>14s}")
+    print(f"{'model':14s} {'tokens':>7s} " + " ".join(f"{k + ' s':>28s}" for k in SETTINGS) + f" {'value norms s':>14s} {'drafted':>8s}")
     for model in args.models:
         llm = H.load(model, max(args.lengths) + 256)
         for n in args.lengths:
             p, _ = V.split_prompt(llm, "heldout4", n, 50)
             snap = H.prefill_cached(llm, p, args.prefill_cache)["inside"]
             t = {k: [] for k in [*SETTINGS, "norms"]}
+            H.restore(llm, snap)       # the draft's length: the full cache's greedy answer, up to 24 tokens
+            drafted = len(H.greedy(llm, snap.logits, 24, H.stop_tokens(llm)))
             for _ in range(args.repeats):
                 for name, kw in SETTINGS.items():
                     H.restore(llm, snap)
+                    cfg = ek.EvictionConfig(budget=0.2, **kw)
                     t0 = time.perf_counter()
-                    ek.PageEntroKV(ek.EvictionConfig(budget=0.2, **kw)).evict(llm, snap.scores)
+                    scores = snap.scores
+                    if cfg.lookahead:
+                        scores = lookahead_scores(llm, scores, cfg.lookahead, llm.eval)
+                    ek.PageEntroKV(cfg).evict(llm, scores)
                     t[name].append(time.perf_counter() - t0)
                 H.restore(llm, snap)
                 t0 = time.perf_counter()
@@ -59,7 +69,7 @@ def main(argv=None) -> int:
                 t["norms"].append(time.perf_counter() - t0)
             med = {k: statistics.median(v) for k, v in t.items()}
             print(f"{model:14s} {snap.n_tokens:7d} " + " ".join(f"{med[k]:28.4f}" for k in SETTINGS)
-                  + f" {med['norms']:14.4f}", flush=True)
+                  + f" {med['norms']:14.4f} {drafted:8d}", flush=True)
         llm.close()
     return 0
 

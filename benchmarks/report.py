@@ -184,7 +184,8 @@ def speed_section(d) -> str:
     s = ["## 5. Speed and memory (SmolLM2-135M-Instruct)\n",
          "Each run is its own process; peak RSS is that process's. Rows: a plain llama.cpp cache, and EntroKVLlama "
          f"with each policy ({', '.join(policies)}), the last 32 tokens observed and an eviction to the budget (20%, "
-         f"or the token budget of the long run). Prefill runs: {reps} round(s), each running every cache in turn; "
+         f"or the token budget of the long run; entrokv-edge drafts up to 24 tokens first, its default lookahead, "
+         f"and its eviction time includes that draft). Prefill runs: {reps} round(s), each running every cache in turn; "
          "the table shows medians over the rounds; the long run ran once.\n\n"]
     groups = defaultdict(list)
     for r in rows:
@@ -303,18 +304,22 @@ EDGE = "entrokv-edge"
 
 
 NEEDLE_KINDS = {"sandwich": "needlehaystack needle", "magic": "magic-number needles", "passkey": "pass-key needles",
-                "room": "meeting-room needles", "gate": "flight-gate needles", "locker": "locker-code needles"}
+                "room": "meeting-room needles", "gate": "flight-gate needles", "locker": "locker-code needles",
+                "drawer": "bicycle-key drawer needles"}
 ROUND1 = "edge:rank+pool7"       # round 1's defaults by name (benchmarks/variants.py)
 ROUND4 = "edge:P4+rank+pool7+spread24+decay0.85"     # round 4's (the defaults round 5 was measured against)
 BASE_LABEL = {ROUND1: "round 1's", ROUND4: "round 4's"}
 # the later rounds (benchmarks/variants.py): (name, the splits the candidate is chosen on, the held-out split,
 # whether answers count only where the full cache answers right, the defaults it must beat, how the candidate
 # is picked: "answers" = the most answers (ties: the lowest mean KL), "kl_wins" = the most paired KL wins
-# against those defaults among the candidates that keep at least as many of the full cache's right answers)
+# against those defaults among the candidates that keep at least as many of the full cache's right answers,
+# or a configuration's name: chosen by that rule in scratch runs, before its rows existed)
 LATER_ROUNDS = (("round 2", ["tune", "heldout"], "heldout2", False, ROUND1, "answers"),
                 ("round 3", ["tune", "heldout", "heldout2"], "heldout3", False, ROUND1, "answers"),
                 ("round 4", ["tune", "heldout", "heldout2"], "heldout4", True, ROUND1, "answers"),
-                ("round 5", ["tune", "heldout", "heldout2", "heldout3", "heldout4"], "heldout5", True, ROUND4, "kl_wins"))
+                ("round 5", ["tune", "heldout", "heldout2", "heldout3", "heldout4"], "heldout5", True, ROUND4, "kl_wins"),
+                ("round 6", ["tune", "heldout", "heldout2", "heldout3", "heldout4", "heldout5"], "heldout6", True, ROUND4,
+                 "edge:P4+rank+pool7+spread24+decay0.85+look24"))
 
 
 def _mean_kl(x) -> float:
@@ -330,7 +335,8 @@ def variants_section(d, peers=None) -> str:
     peer_rows = [dict(r) for r in (peers or {}).get("data", {}).get("rows", [])
                  if r.get("budget", 0.2) == st.get("budget", 0.2) and r.get("kl_mean") is not None]
     peer_names = list(dict.fromkeys(r["config"] for r in peer_rows))
-    splits = [sp for sp in st.get("split_order", ("tune", "heldout", "heldout2", "heldout3", "heldout4", "heldout5"))
+    splits = [sp for sp in st.get("split_order", ("tune", "heldout", "heldout2", "heldout3", "heldout4", "heldout5",
+                                                  "heldout6"))
               if any(r["split"] == sp for r in rows)]
     s = ["## 7. Beyond the paper: entrokv-edge\n\n",
          "`benchmarks/variants.py`: needle prompts at 20% with the question inside the observed window; per "
@@ -346,7 +352,8 @@ def variants_section(d, peers=None) -> str:
          "after that choice, decided; heldout2 was read afterwards too, so round 3 chose on tune + heldout + "
          "heldout2 and heldout3, run once after that choice, decided; round 4 retested round 3's choice on "
          "heldout4 with the answers counted where the full cache answers right; round 5 chose a value-weighted "
-         "variant (value_power) on all five of those splits and heldout5 decided. Commits of the rows: "
+         "variant (value_power) on all five of those splits and heldout5 decided; round 6 chose a draft of the "
+         "answer's first tokens (lookahead) on all six and heldout6 decided. Commits of the rows: "
          + "; ".join(f"{sp} `{', '.join(sorted({r.get('commit') or '?' for r in rows if r['split'] == sp}))}`"
                      for sp in splits) + ".\n\n"]
     if peer_rows:
@@ -428,10 +435,21 @@ def variants_section(d, peers=None) -> str:
 
     for name, chosen_on, held, of_full, base, pick in LATER_ROUNDS:
         cands = [c for c in rounds.get(name, []) if has(c, chosen_on)]
-        if not cands or not has(base, chosen_on):
-            continue
         on = " + ".join(chosen_on)
-        if pick == "answers":
+        if pick not in ("answers", "kl_wins"):      # chosen in scratch runs (the rule in variants.py's docstring)
+            b = pick
+            if not has(b, [held]):
+                continue
+            s.append(f"{name.capitalize()}'s rule chose **{b}** in scratch runs on {on} (variants.py's docstring)"
+                     + (" - its rows there: " + "; ".join(
+                         f"{c}: paired KL {'-'.join(map(str, paired_kl(c, base, chosen_on)))} against "
+                         f"{BASE_LABEL[base]} {base}, {sum(kept(c, sp) for sp in chosen_on)} of the full cache's right "
+                         f"answers kept ({sum(kept(base, sp) for sp in chosen_on)}), mean KL {kl(c, chosen_on):.4f} "
+                         f"({kl(base, chosen_on):.4f})" for c in cands) if cands and has(base, chosen_on) else "")
+                     + ".")
+        elif not cands or not has(base, chosen_on):
+            continue
+        elif pick == "answers":
             b = max(cands, key=lambda c: (ok(c, chosen_on), -kl(c, chosen_on)))
             s.append(f"{name.capitalize()}'s rule on {on}: **{b}** ({ok(b, chosen_on)} answers, mean KL "
                      f"{kl(b, chosen_on):.3f}; {BASE_LABEL[base]} {base}: {ok(base, chosen_on)}, {kl(base, chosen_on):.3f}).")

@@ -124,3 +124,12 @@ def test_controller_and_runtime_evict_with_the_mixed_scores(synth_models):
     assert rt.n_evictions == 1 and rt.n_tokens == n
     np.testing.assert_array_equal(rt.last_eviction.positions, want)
     np.testing.assert_array_equal(logits(rt), logits(twin))   # the prompt's logits, restored after the draft
+
+
+def test_an_observation_without_a_kept_copy_still_calls_its_handler(synth_models):
+    llm = make_llm(synth_models["llama-r3"], type_k="f32")
+    llm.eval([int(t) for t in prompt(14)[:-W]])
+    got = []
+    with ek.Observation(llm, W, handler=lambda v: got.append(v.scores.sum()), keep_last=False) as obs:
+        llm.eval([int(t) for t in prompt(14)[-W:]])
+    assert obs.last is None and obs.count == 1 and len(got) == 1 and got[0] > 0

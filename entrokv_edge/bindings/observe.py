@@ -62,14 +62,16 @@ class Observation:
     """Observe every ubatch of >= ``window`` tokens decoded on ``llm`` while active.
 
     ``handler(view)``, if given, is called inside llama_decode with zero-copy views; it
-    must not decode. ``last`` holds a copy of the last observed scores. Use as a context
-    manager, or call ``start()`` / ``stop()``.
+    must not decode. ``last`` holds a copy of the last observed scores (unless
+    ``keep_last=False``: a handler that reduces every view itself needs no copy). Use as a
+    context manager, or call ``start()`` / ``stop()``.
     """
 
-    def __init__(self, llm, window: int, handler: Callable[[WindowScores], None] | None = None):
+    def __init__(self, llm, window: int, handler: Callable[[WindowScores], None] | None = None,
+                 keep_last: bool = True):
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
-        self.llm, self.window, self.handler = llm, window, handler
+        self.llm, self.window, self.handler, self.keep_last = llm, window, handler, keep_last
         self.last: WindowScores | None = None
         self.count = 0
         self._error: BaseException | None = None
@@ -80,7 +82,8 @@ class Observation:
                 view = _view(ffi, s)
                 if self.handler is not None:
                     self.handler(view)
-                self.last = view.copy()
+                if self.keep_last:
+                    self.last = view.copy()
                 self.count += 1
             except BaseException as e:  # noqa: BLE001 - re-raised after the decode returns
                 self._error = e

@@ -71,7 +71,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self._window_scores: WindowScores | None = None
         self.last_eviction: EvictionResult | None = None
         self.n_evictions = 0
-        self.eviction_s = 0.0          # wall time spent in evictions (selection and compaction)
+        self.eviction_s = 0.0          # wall time spent in evictions (selection, compaction, lookahead's draft)
 
     def close(self) -> None:
         # a constructor that refused its arguments never reached Llama.__init__
@@ -175,9 +175,11 @@ class EntroKVLlama(llama_cpp.Llama):
             done += piece
         if total >= w and self._used() > self._budget_pages(self.n_tokens) * self.config.page_size + self.config.page_size:
             if self.config.lookahead:           # the answer's first queries join the window's
+                t0 = time.perf_counter()
                 self._ensure_ids(self.n_tokens + self.config.lookahead)
                 self._window_scores = lookahead_scores(self, self._window_scores, self.config.lookahead,
                                                        super().eval)
+                self.eviction_s += time.perf_counter() - t0
             self.evict()                        # after a prompt: down to the budget
 
     def reset(self) -> None:
