@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 import entrokv_edge as ek
-from entrokv_edge.controller.lookahead import lookahead_scores
 from llama_cpp import llama_cpp as C
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -203,10 +202,9 @@ def evict_from(llm, snap: Snapshot, cfg: ek.EvictionConfig, needles=None, scores
     restore(llm, snap)
     if cfg.policy == "full":
         return {"policy": "full", "kept_tokens": snap.n_tokens}
-    scores = snap.scores if scores is None else scores
-    if cfg.lookahead:     # the draft runs on the restored, whole cache, as after a prefill
-        scores = lookahead_scores(llm, scores, cfg.lookahead, llm.eval)
-    return ek.PageEntroKV(cfg).evict(llm, scores, needles=needles).metrics
+    ctl = ek.PageEntroKV(cfg)     # with lookahead the draft runs on the restored, whole cache, as after a prefill
+    scores = ctl.draft_scores(llm, snap.scores if scores is None else scores, llm.eval)
+    return ctl.evict(llm, scores, needles=needles).metrics
 
 
 def greedy(llm, first_logits: np.ndarray, n: int, stop: set[int]) -> list[int]:

@@ -9,7 +9,7 @@ restores the snapshot and evicts to 20% through PageEntroKV.evict (selection in 
 per-head compaction), the settings interleaved round by round; medians of the rounds. Also the
 native read of the value norms alone (llama_entrokv_value_norms, what value_power adds). With
 lookahead (entrokv-edge's default) the timed eviction includes its draft (up to k tokens decoded with
-the whole cache, then removed); "drafted": the tokens that draft decodes (it stops before the answer's end).
+the whole cache, then removed); "drafted": the tokens the draft decoded (it stops before the answer's end).
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 import entrokv_edge as ek  # noqa: E402
-from entrokv_edge.controller.lookahead import lookahead_scores  # noqa: E402
 
 import _harness as H  # noqa: E402
 import variants as V  # noqa: E402
@@ -51,17 +50,15 @@ def main(argv=None) -> int:
             p, _ = V.split_prompt(llm, "heldout4", n, 50)
             snap = H.prefill_cached(llm, p, args.prefill_cache)["inside"]
             t = {k: [] for k in [*SETTINGS, "norms"]}
-            H.restore(llm, snap)       # the draft's length: the full cache's greedy answer, up to 24 tokens
-            drafted = len(H.greedy(llm, snap.logits, 24, H.stop_tokens(llm)))
+            drafted = 0
             for _ in range(args.repeats):
                 for name, kw in SETTINGS.items():
                     H.restore(llm, snap)
                     cfg = ek.EvictionConfig(budget=0.2, **kw)
+                    ctl, stats = ek.PageEntroKV(cfg), {}
                     t0 = time.perf_counter()
-                    scores = snap.scores
-                    if cfg.lookahead:
-                        scores = lookahead_scores(llm, scores, cfg.lookahead, llm.eval)
-                    ek.PageEntroKV(cfg).evict(llm, scores)
+                    ctl.evict(llm, ctl.draft_scores(llm, snap.scores, llm.eval, stats))
+                    drafted = max(drafted, stats.get("drafted", 0))
                     t[name].append(time.perf_counter() - t0)
                 H.restore(llm, snap)
                 t0 = time.perf_counter()

@@ -200,7 +200,7 @@ CONFIGS = {
     # answer (its tokens evaluated after the prompt as one observed ubatch) instead of the window's - how far
     # a selection could go if it knew where the answer will look (the docstring's "Oracle")
     "oracle:P1+max": dict(EDGE_OFF, page_size=1, head_pool="max", scores="answer"),
-    "oracle:entrokv-edge": dict(policy="entrokv-edge", scores="answer"),
+    "oracle:entrokv-edge": dict(policy="entrokv-edge", lookahead=0, scores="answer"),
     "oracle:head-independent": dict(policy="head-independent", scores="answer"),
 }
 # the entrokv-edge candidates each round's rule chose among (see the docstring)
@@ -322,7 +322,7 @@ def answer_scores(llm, snap: H.Snapshot, ref: list[int]) -> ek.WindowScores:
     with ek.Observation(llm, len(ref)) as obs:
         llm.eval(ref)
     s, n = snap.scores, snap.scores.scores.shape[-1]
-    return ek.WindowScores(np.array(obs.last.scores[:, :, :n], dtype=np.float64), s.true_pos, s.layer_ids, s.window,
+    return ek.WindowScores(np.array(obs.last.scores[:, :, :n], dtype=np.float64), s.true_pos, s.layer_ids, len(ref),
                            s.n_tokens, s.pos_last)
 
 

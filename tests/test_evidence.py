@@ -136,4 +136,4 @@ def test_eviction_cost_times_every_setting_on_the_same_prompt():
     assert len(lines) == 1
     n, *secs = lines[0].split()[1:]
     assert 1000 <= int(n) <= 1024 and len(secs) == 6 and all(float(x) > 0 for x in secs[:5])
-    assert 0 <= int(secs[5]) <= 24          # the draft's tokens
+    assert 1 <= int(secs[5]) <= 24          # the default's draft decoded tokens (the answer is not empty)

@@ -6,6 +6,7 @@ import pytest
 
 import entrokv_edge as ek
 from entrokv_edge.controller import select
+from entrokv_edge.bindings.observe import head_slots
 from entrokv_edge.controller.lookahead import lookahead_scores
 from entrokv_edge.controller.pages import pages_to_positions
 from helpers import logits, make_llm, state_blob
@@ -133,3 +134,81 @@ def test_an_observation_without_a_kept_copy_still_calls_its_handler(synth_models
     with ek.Observation(llm, W, handler=lambda v: got.append(v.scores.sum()), keep_last=False) as obs:
         llm.eval([int(t) for t in prompt(14)[-W:]])
     assert obs.last is None and obs.count == 1 and len(got) == 1 and got[0] > 0
+
+
+def _holed(path, **kw):
+    """A context whose window was observed, then 11 of its tokens (positions 10-20) removed:
+    the draft's tokens land in those cells, which the window saw holding other tokens."""
+    llm = make_llm(path, **kw)
+    win = observed(llm, prompt(15, 72))
+    assert C.llama_memory_seq_rm(llm._ctx.memory, 0, 10, 21)
+    return llm, win
+
+
+def test_only_the_cells_that_hold_what_the_window_saw_count(synth_models):
+    """The draft's attention counts on the cells that still hold the tokens the window saw;
+    cells reused by the drafted tokens count for nothing (a batched reference says so too)."""
+    path, kw = synth_models["llama-r3"], dict(type_k="f32")
+    a, _ = _holed(path, **kw)                                 # the reference draft
+    vocab = C.llama_model_get_vocab(a.model)
+    draft, lg = [], logits(a)
+    while len(draft) < 5 and not C.llama_vocab_is_eog(vocab, int(np.argmax(lg))):
+        draft.append(int(np.argmax(lg)))
+        a.eval([draft[-1]])
+        lg = logits(a)
+    assert len(draft) >= 3
+    b, win_b = _holed(path, **kw)
+    with ek.Observation(b, len(draft)) as obs:
+        b.eval(draft)
+    L, H, n_w = win_b.scores.shape
+    slot_of = head_slots(L, H, win_b.n_head_kv)
+    ok = (win_b.true_pos >= 0) & (obs.last.true_pos[:, :n_w] == win_b.true_pos)
+    assert not ok[:, 10:10 + len(draft)].any() and ok[:, :10].all()      # the drafted tokens sit in the hole
+    summed = np.where(ok[slot_of], obs.last.scores[:, :, :n_w] * len(draft), 0.0)
+    llm, win = _holed(path, **kw)
+    blob = state_blob(llm)
+    mixed = lookahead_scores(llm, win, 5, llm.eval)
+    np.testing.assert_allclose(mixed.scores, (W * win.scores + summed) / (W + len(draft)), rtol=1e-4, atol=1e-7)
+    assert state_blob(llm) == blob
+    np.testing.assert_array_equal(mixed.scores[:, :, 10:21], W * win.scores[:, :, 10:21] / (W + len(draft)))
+
+
+def test_a_failing_draft_leaves_the_cache_as_it_was(synth_models):
+    llm = make_llm(synth_models["llama-r3"], type_k="f32")
+    win = observed(llm, prompt(17))
+    blob, lg, n = state_blob(llm), logits(llm), llm.n_tokens
+    calls = []
+
+    def flaky(toks):
+        calls.append(toks)
+        if len(calls) == 3:
+            raise KeyboardInterrupt          # the user stops it mid-draft
+        llm.eval(toks)
+
+    with pytest.raises(KeyboardInterrupt):
+        lookahead_scores(llm, win, 8, flaky)
+    assert state_blob(llm) == blob and np.array_equal(logits(llm), lg) and llm.n_tokens == n
+
+
+def test_the_draft_fits_llama_cpp_pythons_token_buffer(synth_models):
+    """n_ctx 300: llama.cpp pads the cache to 512 cells, llama-cpp-python's token buffer
+    holds 300; a 297-token prompt leaves room for 3 drafted tokens, not 24."""
+    llm = make_llm(synth_models["llama-r3"], n_ctx=300, type_k="f32")
+    assert ek.geometry(llm).kv_size > 300 == len(llm.input_ids)
+    win = observed(llm, np.random.default_rng(5).integers(3, 300, 297))
+    blob, stats = state_blob(llm), {}
+    mixed = lookahead_scores(llm, win, 24, llm.eval, stats)
+    assert 1 <= stats["drafted"] <= 3 and mixed is not win and state_blob(llm) == blob
+
+
+@pytest.mark.parametrize("fa", [False, True])
+def test_gemma3_draft_leaves_both_caches_as_they_were(gemma3, fa):
+    """Gemma 3 (sliding-window and global layers, two caches): the draft is removed from both."""
+    llm = make_llm(gemma3, n_ctx=512, flash_attn=fa)
+    toks = llm.tokenize(b"The spare key for Ines's bicycle is in drawer 927. " * 12 +
+                        b"In which drawer is the spare key for Ines's bicycle?")
+    win = observed(llm, toks)
+    blob, lg, stats = state_blob(llm), logits(llm), {}
+    mixed = lookahead_scores(llm, win, 6, llm.eval, stats)
+    assert stats["drafted"] >= 1 and state_blob(llm) == blob and np.array_equal(logits(llm), lg)
+    assert np.abs(mixed.scores - win.scores).max() > 1e-4

@@ -50,6 +50,11 @@ class WindowScores:
                             self.layer_ids.copy(), self.window, self.n_tokens, self.pos_last)
 
 
+def head_slots(n_layers: int, n_head: int, n_head_kv: int) -> np.ndarray:
+    """int [L, H]: the slot (a (layer, KV head) pair, layer-major) each query head reads."""
+    return np.arange(n_layers)[:, None] * n_head_kv + np.arange(n_head)[None, :] // (n_head // n_head_kv)
+
+
 def _view(ffi, s) -> WindowScores:
     L, H, n_kv, ns = s.n_layers, s.n_head, s.n_kv, s.n_slots
     scores = np.frombuffer(ffi.buffer(s.scores, L * H * n_kv * 4), dtype=np.float32).reshape(L, H, n_kv)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..bindings import compact, geometry, true_positions, value_norms
-from ..bindings.observe import Observation, WindowScores
+from ..bindings.observe import Observation, WindowScores, head_slots
 from . import metrics as M
 from .config import EvictionConfig
 from .lookahead import lookahead_scores
@@ -60,10 +60,15 @@ class PageEntroKV:
             llm.eval(tokens[: n - cfg.window])
         with Observation(llm, cfg.window) as obs:
             llm.eval(tokens[n - cfg.window:])
-        scores = obs.last
-        if cfg.lookahead:
-            scores = lookahead_scores(llm, scores, cfg.lookahead, llm.eval)
-        return self.evict(llm, scores, needles=needles)
+        return self.evict(llm, self.draft_scores(llm, obs.last, llm.eval), needles=needles)
+
+    def draft_scores(self, llm, scores: WindowScores, eval_tokens, stats: dict | None = None) -> WindowScores:
+        """``scores`` mixed with a draft's (the option lookahead; controller/lookahead.py), or
+        ``scores`` as they are when it is off. ``eval_tokens``: evaluates tokens on ``llm``
+        without evicting."""
+        if not self.config.lookahead:
+            return scores
+        return lookahead_scores(llm, scores, self.config.lookahead, eval_tokens, stats)
 
     def evict(self, llm, scores: WindowScores, *, needles=None, n_keep: int | None = None) -> EvictionResult:
         """Select with the configured policy from ``scores`` and compact ``llm``'s cache.
@@ -106,7 +111,7 @@ class PageEntroKV:
         """Scores [L, H, n] indexed by true position, and the pages [L, G, n_pages]
         each group still holds."""
         G = H // r
-        slot_of = np.arange(L)[:, None] * G + np.arange(H)[None, :] // r        # [L, H]
+        slot_of = head_slots(L, H, G)                                             # [L, H]
         tp_obs = scores.true_pos[slot_of]                                         # [L, H, n_kv]
         ok = (tp_obs >= 0) & (tp_obs < n)
         li, hi, ci = np.nonzero(ok)

@@ -18,10 +18,9 @@ from typing import Callable
 import numpy as np
 
 from ..bindings import EntroKVError, geometry, restore, set_last_logits, true_positions, used_cells
-from ..bindings.observe import Observation, WindowScores
+from ..bindings.observe import Observation, WindowScores, head_slots
 from ..controller import EvictionConfig, EvictionResult, PageEntroKV
 from ..controller.config import EDGE_OPTIONS, OFF
-from ..controller.lookahead import lookahead_scores
 from .._loader import ensure_llama_cpp
 
 llama_cpp = ensure_llama_cpp()
@@ -124,7 +123,7 @@ class EntroKVLlama(llama_cpp.Llama):
         tp = true_positions(self)
         H = llama_cpp.llama_model_n_head(self.model)
         L, G = g.n_layers, g.layers[0].n_head_kv
-        slot_of = np.arange(L)[:, None] * G + np.arange(H)[None, :] // (H // G)
+        slot_of = head_slots(L, H, G)
         s = np.where(tp[slot_of] >= 0, tp[slot_of] + 1.0, 0.0).astype(np.float32)
         s /= s.sum(-1, keepdims=True)
         return WindowScores(s, tp, np.array([l.il for l in g.layers], np.int32), 0, 0, g.pos_max)
@@ -177,8 +176,7 @@ class EntroKVLlama(llama_cpp.Llama):
             if self.config.lookahead:           # the answer's first queries join the window's
                 t0 = time.perf_counter()
                 self._ensure_ids(self.n_tokens + self.config.lookahead)
-                self._window_scores = lookahead_scores(self, self._window_scores, self.config.lookahead,
-                                                       super().eval)
+                self._window_scores = self.controller.draft_scores(self, self._window_scores, super().eval)
                 self.eviction_s += time.perf_counter() - t0
             self.evict()                        # after a prompt: down to the budget
 
