@@ -319,11 +319,9 @@ def answer_scores(llm, snap: H.Snapshot, ref: list[int]) -> ek.WindowScores:
     """The oracle's scores: the mean attention of the answer ``ref``'s queries (evaluated as
     one observed ubatch after ``snap``'s prompt, with the whole cache) on the prompt's cells."""
     H.restore(llm, snap)
-    with ek.Observation(llm, len(ref)) as obs:
-        llm.eval(ref)
+    answer = H.observe(llm, ref, len(ref))
     s, n = snap.scores, snap.scores.scores.shape[-1]
-    return ek.WindowScores(np.array(obs.last.scores[:, :, :n], dtype=np.float64), s.true_pos, s.layer_ids, len(ref),
-                           s.n_tokens, s.pos_last)
+    return ek.WindowScores(answer.scores[:, :, :n], s.true_pos, s.layer_ids, len(ref), s.n_tokens, s.pos_last)
 
 
 def run_case(llm, p: H.Prompt, check, configs: dict, budget: float, max_answer: int, stop,

@@ -25,18 +25,24 @@ def observed(llm, toks, w=W):
     return obs.last
 
 
+def greedy_draft(llm, k):
+    """Up to k tokens decoded greedily on llm, stopping before an end-of-generation token."""
+    vocab = C.llama_model_get_vocab(llm.model)
+    draft, lg = [], logits(llm)
+    while len(draft) < k and not C.llama_vocab_is_eog(vocab, int(np.argmax(lg))):
+        draft.append(int(np.argmax(lg)))
+        llm.eval([draft[-1]])
+        lg = logits(llm)
+    return draft
+
+
 def reference(path, toks, k, **kw):
     """Window scores, the greedy draft (stopping before an end-of-generation token, at most
     k tokens) and the draft's summed attention on the prompt's cells, from one batched
     evaluation of the drafted tokens on a fresh context."""
     a = make_llm(path, **kw)
     win = observed(a, toks)
-    vocab = C.llama_model_get_vocab(a.model)
-    draft, lg = [], logits(a)
-    while len(draft) < k and not C.llama_vocab_is_eog(vocab, int(np.argmax(lg))):
-        draft.append(int(np.argmax(lg)))
-        a.eval([draft[-1]])
-        lg = logits(a)
+    draft = greedy_draft(a, k)
     a.close()
     b = make_llm(path, **kw)
     observed(b, toks)
@@ -149,13 +155,7 @@ def test_only_the_cells_that_hold_what_the_window_saw_count(synth_models):
     """The draft's attention counts on the cells that still hold the tokens the window saw;
     cells reused by the drafted tokens count for nothing (a batched reference says so too)."""
     path, kw = synth_models["llama-r3"], dict(type_k="f32")
-    a, _ = _holed(path, **kw)                                 # the reference draft
-    vocab = C.llama_model_get_vocab(a.model)
-    draft, lg = [], logits(a)
-    while len(draft) < 5 and not C.llama_vocab_is_eog(vocab, int(np.argmax(lg))):
-        draft.append(int(np.argmax(lg)))
-        a.eval([draft[-1]])
-        lg = logits(a)
+    draft = greedy_draft(_holed(path, **kw)[0], 5)           # the reference draft
     assert len(draft) >= 3
     b, win_b = _holed(path, **kw)
     with ek.Observation(b, len(draft)) as obs:
