@@ -305,10 +305,11 @@ EDGE = "entrokv-edge"
 
 NEEDLE_KINDS = {"sandwich": "needlehaystack needle", "magic": "magic-number needles", "passkey": "pass-key needles",
                 "room": "meeting-room needles", "gate": "flight-gate needles", "locker": "locker-code needles",
-                "drawer": "bicycle-key drawer needles"}
+                "drawer": "bicycle-key drawer needles", "safe": "safe-combination needles"}
 ROUND1 = "edge:rank+pool7"       # round 1's defaults by name (benchmarks/variants.py)
 ROUND4 = "edge:P4+rank+pool7+spread24+decay0.85"     # round 4's (the defaults round 5 was measured against)
-BASE_LABEL = {ROUND1: "round 1's", ROUND4: "round 4's"}
+ROUND6 = "edge:P4+rank+pool7+spread24+decay0.85+look24"      # round 6's (round 4's with a 24-token draft)
+BASE_LABEL = {ROUND1: "round 1's", ROUND4: "round 4's", ROUND6: "round 6's"}
 # the later rounds (benchmarks/variants.py): (name, the splits the candidate is chosen on, the held-out split,
 # whether answers count only where the full cache answers right, the defaults it must beat, how the candidate
 # is picked: "answers" = the most answers (ties: the lowest mean KL), "kl_wins" = the most paired KL wins
@@ -319,7 +320,10 @@ LATER_ROUNDS = (("round 2", ["tune", "heldout"], "heldout2", False, ROUND1, "ans
                 ("round 4", ["tune", "heldout", "heldout2"], "heldout4", True, ROUND1, "answers"),
                 ("round 5", ["tune", "heldout", "heldout2", "heldout3", "heldout4"], "heldout5", True, ROUND4, "kl_wins"),
                 ("round 6", ["tune", "heldout", "heldout2", "heldout3", "heldout4", "heldout5"], "heldout6", True, ROUND4,
-                 "edge:P4+rank+pool7+spread24+decay0.85+look24"))
+                 "edge:P4+rank+pool7+spread24+decay0.85+look24"),
+                ("round 7", ["tune", "heldout", "heldout2", "heldout3", "heldout4", "heldout5", "heldout6"], "heldout7", True,
+                 ROUND6,
+                 "edge:P2+rank+pool3+spread24+decay0.7+look24+share0.85"))
 
 
 def _mean_kl(x) -> float:
@@ -336,7 +340,7 @@ def variants_section(d, peers=None) -> str:
                  if r.get("budget", 0.2) == st.get("budget", 0.2) and r.get("kl_mean") is not None]
     peer_names = list(dict.fromkeys(r["config"] for r in peer_rows))
     splits = [sp for sp in st.get("split_order", ("tune", "heldout", "heldout2", "heldout3", "heldout4", "heldout5",
-                                                  "heldout6"))
+                                                  "heldout6", "heldout7"))
               if any(r["split"] == sp for r in rows)]
     s = ["## 7. Beyond the paper: entrokv-edge\n\n",
          "`benchmarks/variants.py`: needle prompts at 20% with the question inside the observed window; per "
@@ -353,7 +357,8 @@ def variants_section(d, peers=None) -> str:
          "heldout2 and heldout3, run once after that choice, decided; round 4 retested round 3's choice on "
          "heldout4 with the answers counted where the full cache answers right; round 5 chose a value-weighted "
          "variant (value_power) on all five of those splits and heldout5 decided; round 6 chose a draft of the "
-         "answer's first tokens (lookahead) on all six and heldout6 decided. Commits of the rows: "
+         "answer's first tokens (lookahead) on all six and heldout6 decided; round 7 chose a selection for the "
+         "drafted scores (and the draft's share, lookahead_share) on all seven and heldout7 decided. Commits of the rows: "
          + "; ".join(f"{sp} `{', '.join(sorted({r.get('commit') or '?' for r in rows if r['split'] == sp}))}`"
                      for sp in splits) + ".\n\n"]
     if peer_rows:

@@ -1,7 +1,7 @@
 """Beyond the paper: entrokv-edge's options against Page-EntroKV and the baselines, on a
 tuning split and a held-out split of needle prompts (issue 7's judge).
 
-    python benchmarks/variants.py [--quick] [--split tune|heldout|...|heldout5|both|all] [--models ...]
+    python benchmarks/variants.py [--quick] [--split tune|heldout|...|heldout7|both|all] [--models ...]
         [--out benchmarks/results/variants.json]
 
 Splits (never mixed; the held-out one was not looked at while choosing entrokv-edge's defaults):
@@ -130,6 +130,51 @@ losses against them. heldout6 runs once, with the baselines, the defaults and th
 25 of 30 prompts, p = 0.0003, mean 0.0087 vs 0.0150. It passed: lookahead=24 joined
 EDGE_DEFAULTS, and "entrokv-edge" was rerun on every split.)
 
+Round 7 (2026-11-30). A selection for the drafted scores, and a new option, lookahead_share
+(the draft's share of the mixed scores; 0: each query one vote, as in round 6). Reason: with the
+oracle's scores (below) round 6's selection reaches a mean KL of 0.0101, page size 1 + max over
+the group's heads 0.0041. Page size 1 + max on the window's and a draft's scores is no good
+though (mean KL above 0.4 on SmolLM2 tune prompts), and why was checked on one tune prompt
+(2k, depth 20): with the attention of the answer's first 1 / 4 / 8 / 12 / 16 / 20 tokens it
+gives 2.0 / 1.8 / 1.2 / 0.087 / 0.060 / 0.0029. The answer copies the needle token by token,
+each answer token looking at the needle token it copies next, so an exact selection keeps the
+needle tokens the observed queries looked at and drops the rest; the spread is what keeps the
+rest. So the candidates keep the spread, narrow the centred pool (3), shorten the spread's
+reach (decay 0.7), try pages of 2 and give the draft more weight. All seven splits above have
+been read, so they are tuning data. Scratch runs on the cached prefills (the draft evaluated as
+one observed ubatch of the full cache's answer's first 24 tokens, which is what the greedy draft
+with the whole cache is), 84 prompts (the first two depths of every cell of the seven splits),
+paired KL wins-losses against round 6's defaults and the full cache's right answers kept
+(defaults 60 of 60): pool 3: 57-27 (60); pool 0: 52-32 (60); spread 12: 47-36 (60); page size 2:
+50-34 (60); max over heads: 43-41 (60); decay 0.7: 59-25 (60); pool 3 + decay 0.7: 70-14 (60);
+pool 5 + decay 0.7: 69-15 (60); pool 3 + decay 0.75: 71-13 (60); pool 3 + decay 0.7 + page size 2:
+77-7 (59); pool 3 + decay 0.7 + share 0.7: 78-6 (60); share 0.7 alone: 71-13 (59); pool 3 + decay
+0.7 + page size 2 + share 0.5 / 0.7 / 0.85: 81-3 / 79-5 / 83-1 (60 / 60 / 60). Mean KL 0.0134 for
+the defaults, 0.0106 / 0.0085 / 0.0075 / 0.0071 for the four candidates below. Since a larger
+draft share fits the draft better, and the draft covers these 24-token answers whole, the
+candidates are also checked beyond the draft: 96-token answers to the 24 QA / code prompts of
+benchmarks/fidelity.py (essays 2-7, modules textwrap..colorsys) at 2k, the draft still 24
+tokens, KL over tokens 25-96 against round 6's defaults.
+The rule, fixed before heldout7 was run: among the round-7 candidates (ROUNDS["round 7"]) that
+keep at least as many of the full cache's right answers on the 84 scratch prompts as round 6's
+defaults ("edge:P4+rank+pool7+spread24+decay0.85+look24") and have at least as many paired KL
+wins as losses against them beyond the draft, the one with the most paired KL wins on the 84
+prompts replaces them only if, on heldout7, it keeps at least as many of the full cache's right
+answers as they do and has more paired KL wins than losses against them. heldout7 runs once,
+with the baselines, round 6's defaults and the candidates:
+  heldout7 safe-combination needles ("The combination of the <colour> safe in the archive is <6
+           digits>."), the question asking for the number, haystack from essay 47 on (essays
+           47-48: none of the other splits' essays, nor the UOR / fidelity prompts'), depths
+           6/26/46/66/86. (A first definition from essay 29, depths 8/28/..., entered one
+           scratch run by mistake, which looped over every split; essay 29 is out. Its phrasing
+           was tried on tune's essays only.)
+(Beyond the draft, on tokens 25-96 of the 23 QA / code answers longer than 24 tokens, paired
+KL wins-losses against round 6's defaults: pool 3 + decay 0.7: 18-5; + share 0.7: 20-3; + page
+size 2 + share 0.7: 21-2; + page size 2 + share 0.85: 22-1 (mean 0.114 vs 0.127); over the
+drafted tokens 1-24: 19-5, 22-2, 22-2, 22-2. Every candidate qualifies, so the rule chose
+"edge:P2+rank+pool3+spread24+decay0.7+look24+share0.85" (83-1 on the 84 prompts), before
+heldout7 was run.)
+
 Oracle (not a round; run with the defaults' rerun). "oracle:..." configurations score the keys
 with the attention of the full cache's whole answer instead of the window's: the answer's
 tokens are evaluated after the prompt as one observed ubatch, and their mean attention on the
@@ -193,6 +238,9 @@ CONFIGS = {
        dict(EDGE_OFF, page_size=4, head_pool="rank", pool=7, spread=24, decay=0.85, value_power=a) for a in (1.5, 2.0, 2.5)},
     **{f"edge:P4+rank+pool7+spread24+decay0.85+look{k}":        # round 6: round 4's choice, with a draft
        dict(EDGE_OFF, page_size=4, head_pool="rank", pool=7, spread=24, decay=0.85, lookahead=k) for k in (8, 16, 24)},
+    **{f"edge:P{P}+rank+pool3+spread24+decay0.7+look24" + (f"+share{x:g}" if x else ""):   # round 7: a selection for
+       dict(EDGE_OFF, page_size=P, head_pool="rank", pool=3, spread=24, decay=0.7, lookahead=24,  # the drafted scores
+            lookahead_share=x) for P, x in ((4, 0.0), (4, 0.7), (2, 0.7), (2, 0.85))},
     "edge:a-priori": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable"),
     "edge:a-priori P8": dict(EDGE_OFF, pool=7, consensus=0.25, entropy_region="evictable", page_size=8),
     "entrokv-edge": dict(policy="entrokv-edge"),      # its defaults (EDGE_DEFAULTS), chosen by the rounds below
@@ -217,6 +265,9 @@ ROUNDS = {
 ROUNDS["round 4"] = ROUNDS["round 3"]      # the same choice on the same splits: round 3's candidate, retested
 ROUNDS["round 5"] = [f"edge:P4+rank+pool7+spread24+decay0.85+values{a:g}" for a in (1.5, 2.0, 2.5)]
 ROUNDS["round 6"] = [f"edge:P4+rank+pool7+spread24+decay0.85+look{k}" for k in (8, 16, 24)]
+ROUNDS["round 7"] = ["edge:P4+rank+pool3+spread24+decay0.7+look24", "edge:P4+rank+pool3+spread24+decay0.7+look24+share0.7",
+                     "edge:P2+rank+pool3+spread24+decay0.7+look24+share0.7",
+                     "edge:P2+rank+pool3+spread24+decay0.7+look24+share0.85"]
 BASELINES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", "no-isolation", "streaming")
 SPLITS = {
     "tune": dict(offset=0, depths=[20, 50, 80], needle="sandwich"),
@@ -226,6 +277,7 @@ SPLITS = {
     "heldout4": dict(offset=9, depths=[10, 30, 50, 70, 90], needle="gate"),
     "heldout5": dict(offset=15, depths=[5, 25, 45, 65, 85], needle="locker"),
     "heldout6": dict(offset=17, depths=[12, 32, 52, 72, 92], needle="drawer"),
+    "heldout7": dict(offset=47, depths=[6, 26, 46, 66, 86], needle="safe"),
 }
 FULL = dict(lengths=[2048, 4096, 8192], budget=0.2, max_answer=24)
 QUICK = dict(lengths=[1024], budget=0.2, max_answer=24)
@@ -253,7 +305,8 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str
     "passkey": a coloured door's pass key, 5 digits; "room": a person's meeting room, 3 digits,
     followed by a floor number (the answer sits mid-sentence); "gate": a flight's gate, a letter
     and 2 digits; "locker": the code of a locker with an animal sticker, 4 digits; "drawer": the
-    drawer of a spare key, 3 digits, the question asking for the number only."""
+    drawer of a spare key, 3 digits, the question asking for the number only; "safe": the
+    combination of a coloured safe, 6 digits, the question asking for the number."""
     rng = random.Random(seed)
     if kind == "magic":
         key, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
@@ -279,6 +332,10 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str
         key, number = rng.choice(NAMES), str(rng.randrange(100, 1000))
         needle = f"\nThe spare key for {key}'s bicycle is in drawer {number}.\n"
         question = f"In which drawer is the spare key for {key}'s bicycle? Answer with the drawer number."
+    elif kind == "safe":
+        key, number = rng.choice(COLOURS), str(rng.randrange(100_000, 1_000_000))
+        needle = f"\nThe combination of the {key} safe in the archive is {number}.\n"
+        question = f"What is the combination of the {key} safe in the archive? Answer with the number."
     else:
         raise ValueError(f"unknown needle kind {kind!r}")
     head, tail = H.chat_parts(llm, question, system=False)

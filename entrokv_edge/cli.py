@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {EDGE_DEFAULTS['value_power']}; 0: off)")
     common.add_argument("--lookahead", type=int, help=f"entrokv-edge: tokens drafted with the whole cache whose attention "
                         f"joins the window's before the eviction (default {EDGE_DEFAULTS['lookahead']}; 0: off)")
+    common.add_argument("--lookahead-share", type=float, help=f"entrokv-edge: the draft's share of the mixed scores, "
+                        f"in [0, 1] (default {EDGE_DEFAULTS['lookahead_share']}; 0: each query one vote)")
     common.add_argument("--consensus", type=float, help="entrokv-edge: share of free pages kept by every buffer")
     common.add_argument("--entropy-region", choices=("sinks", "evictable"), help="entrokv-edge: keys of the entropy")
     common.add_argument("--head-pool", choices=("entropy", "max", "rank"), help="entrokv-edge: pooling of a group's heads")
@@ -150,7 +152,8 @@ def _settings(args) -> dict:
                              recent=args.recent, tau=args.tau, policy=args.policy, pool=args.pool,
                              spread=args.spread, decay=args.decay, consensus=args.consensus,
                              entropy_region=args.entropy_region, head_pool=args.head_pool,
-                             value_power=args.value_power, lookahead=args.lookahead)
+                             value_power=args.value_power, lookahead=args.lookahead,
+                             lookahead_share=args.lookahead_share)
     except ValueError as e:
         raise CLIError(str(e).replace("EvictionConfig: ", ""))
     return {"eviction": cfg}

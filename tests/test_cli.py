@@ -52,7 +52,8 @@ def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc):
     P = EDGE_DEFAULTS["page_size"]          # entrokv-edge's default page size; the others at the same size
     for extra in (["--policy", "page-entrokv", "--page-size", P], ["--policy", "entrokv-edge"],
                   ["--policy", "entrokv-edge", "--page-size", P, "--pool", 3, "--spread", 4, "--decay", 0.8,
-                   "--consensus", 0.5, "--entropy-region", "sinks", "--value-power", 2, "--lookahead", 4]):
+                   "--consensus", 0.5, "--entropy-region", "sinks", "--value-power", 2, "--lookahead", 4,
+                   "--lookahead-share", 0.7]):
         rc, out, err = cli(*common, *extra)
         assert rc == 0, err
         runs[" ".join(map(str, extra))] = json.loads(out)
@@ -99,7 +100,8 @@ def test_chat_with_save_load_and_stats(smollm2, tmp_path):
 @pytest.mark.parametrize("case", ["missing model", "not gguf", "corrupt gguf", "empty prompt", "page size",
                                   "budget below protected", "budget above cache", "binary file", "unknown name",
                                   "unsupported architecture", "edge option on another policy", "edge pool even",
-                                  "edge spread negative", "edge decay zero", "edge value power", "edge lookahead"])
+                                  "edge spread negative", "edge decay zero", "edge value power", "edge lookahead",
+                                  "edge lookahead share"])
 def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     from synth import write_model
     notgguf = tmp_path / "x.gguf"
@@ -124,6 +126,7 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
         "edge decay zero": ["-m", smollm2, "-f", doc, "--decay", 0],
         "edge value power": ["-m", smollm2, "-f", doc, "--value-power", -1],
         "edge lookahead": ["-m", smollm2, "-f", doc, "--lookahead", 65],
+        "edge lookahead share": ["-m", smollm2, "-f", doc, "--lookahead-share", 1.5],
         "unsupported architecture": ["-m", write_model(tmp_path / "vl.gguf", arch="qwen2vl", n_head=4, n_head_kv=2),
                                      "-p", "hello there, how are you doing today my friend", "--budget", 1.0],
     }[case]
@@ -135,5 +138,6 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
             "edge spread negative": "spread must be an integer >= 0",
             "edge decay zero": "decay must be a number in (0, 1]",
             "edge value power": "value_power must be a number in [0, 4]",
-            "edge lookahead": "lookahead must be an integer in [0, 64]"}.get(case)
+            "edge lookahead": "lookahead must be an integer in [0, 64]",
+            "edge lookahead share": "lookahead_share must be a number in [0, 1]"}.get(case)
     assert want is None or want in lines[0], lines[0]

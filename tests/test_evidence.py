@@ -99,8 +99,9 @@ def variants(quick):
 def test_variants_keep_the_budget_and_are_graded_against_the_full_cache(variants, quick):
     rows = variants["data"]["rows"]
     cases = {(r["split"], r["length"], r["depth"]) for r in rows}
-    assert {c[0] for c in cases} == {"tune", "heldout", "heldout2", "heldout3", "heldout4", "heldout5", "heldout6"}
-    assert len(cases) == 3 + 3 + 3 + 5 + 5 + 5 + 5
+    assert {c[0] for c in cases} == {"tune", "heldout", "heldout2", "heldout3", "heldout4", "heldout5", "heldout6",
+                                     "heldout7"}
+    assert len(cases) == 3 + 3 + 3 + 5 + 5 + 5 + 5 + 5
 
     def budget_tokens(n, P):     # 20%, whole pages, the (partial) last page always among them
         return (int(0.2 * n) // P - 1) * P + n - (-(-n // P) - 1) * P
@@ -125,6 +126,7 @@ def test_variants_keep_the_budget_and_are_graded_against_the_full_cache(variants
     assert "**heldout4 split**" in text and "flight-gate needles" in text
     assert "**heldout5 split**" in text and "locker-code needles" in text
     assert "**heldout6 split**" in text and "drawer needles" in text
+    assert "**heldout7 split**" in text and "safe-combination needles" in text
     assert "vs page-entrokv: answers" in text and "Issue 7's goal" in text
 
 

@@ -74,6 +74,11 @@ def test_lookahead_scores_equal_the_batched_draft_and_leave_the_cache(synth_mode
     np.testing.assert_allclose(mixed.scores, want, rtol=1e-4, atol=1e-7)
     assert np.abs(mixed.scores - win.scores).max() > 1e-3   # the draft moved the scores
     assert mixed.pos_last == win.pos_last and np.array_equal(mixed.true_pos, win.true_pos)
+    # a share for the draft (lookahead_share): (1 - x) x the window's + x x the drafted tokens' mean
+    for x in (0.7, 1.0):
+        shared = lookahead_scores(llm, win, 6, llm.eval, share=x)
+        np.testing.assert_allclose(shared.scores, (1 - x) * win.scores + x * summed / len(draft), rtol=1e-4, atol=1e-7)
+        assert state_blob(llm) == blob and llm.n_tokens == n
     # k = 0: the window's scores, nothing decoded
     assert lookahead_scores(llm, win, 0, llm.eval) is win and state_blob(llm) == blob
 
@@ -103,6 +108,9 @@ def test_lookahead_refuses_scores_of_another_cache_state(synth_models):
         lookahead_scores(llm, win, 4, llm.eval)
     with pytest.raises(ValueError, match="lookahead must be an integer"):
         lookahead_scores(llm, win, -1, llm.eval)
+    for bad in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match=r"lookahead_share must be a number in \[0, 1\]"):
+            lookahead_scores(llm, win, 4, llm.eval, share=bad)
     assert state_blob(llm) == blob
 
 

@@ -108,7 +108,7 @@ def test_saved_sessions_restore_the_same_logits_and_tables(model, tmp_path):
 
 
 def test_a_session_saved_before_an_option_existed_loads_with_it_off(model, tmp_path):
-    """A session from before ``decay``, ``value_power`` and ``lookahead`` existed (its settings lack the keys)
+    """A session from before ``decay``, ``value_power``, ``lookahead`` and ``lookahead_share`` existed (its settings lack the keys)
     had neither: loading it must not switch on today's defaults (decay 0.85 under its spread)."""
     import json
     a = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS, spread=4, decay=0.5)
@@ -117,14 +117,15 @@ def test_a_session_saved_before_an_option_existed_loads_with_it_off(model, tmp_p
     a.save_session(path)
     z = dict(np.load(path))
     meta = json.loads(bytes(z["meta"]).decode())
-    del meta["config"]["decay"], meta["config"]["value_power"], meta["config"]["lookahead"]
+    for k in ("decay", "value_power", "lookahead", "lookahead_share"):
+        del meta["config"][k]
     z["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     with open(path, "wb") as f:
         np.savez(f, **z)
     b = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
     b.load_session(path)
     assert b.config.decay == 1.0 and b.config.spread == 4 and b.config.policy == "entrokv-edge"
-    assert b.config.value_power == 0.0 and b.config.lookahead == 0
+    assert b.config.value_power == 0.0 and b.config.lookahead == 0 and b.config.lookahead_share == 0.0
     assert np.array_equal(logits(a), logits(b))
 
 

@@ -368,6 +368,13 @@ def test_edge_options_are_validated_and_resolved():
         EvictionConfig(policy="page-entrokv", lookahead=8)
     assert EvictionConfig(policy="entrokv-edge", lookahead=64).lookahead == 64 and \
         EvictionConfig(policy="max-pool").lookahead == 0
+    for bad in (-0.1, 1.01, True, "0.5", float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"lookahead_share must be a number in \[0, 1\]"):
+            EvictionConfig(policy="entrokv-edge", lookahead_share=bad)
+    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
+        EvictionConfig(policy="mean-pool", lookahead_share=0.5)
+    assert EvictionConfig(policy="entrokv-edge", lookahead_share=1).lookahead_share == 1 and \
+        EvictionConfig(policy="max-pool").lookahead_share == 0.0
 
 
 @settings(max_examples=40, deadline=None)

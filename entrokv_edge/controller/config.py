@@ -12,10 +12,11 @@ POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # Chosen by benchmarks/variants.py's rounds (round 4 made the first seven the defaults, round 6 added lookahead;
 # round 1's: page_size 16, pool 7, rank)
 EDGE_DEFAULTS = {"page_size": 4, "pool": 7, "spread": 24, "decay": 0.85, "consensus": 0.0, "entropy_region": "sinks",
-                 "head_pool": "rank", "value_power": 0.0, "lookahead": 24}
+                 "head_pool": "rank", "value_power": 0.0, "lookahead": 24, "lookahead_share": 0.0}
 OFF = {"page_size": 16, "pool": 0, "spread": 0, "decay": 1.0, "consensus": 0.0, "entropy_region": "sinks",
-       "head_pool": "entropy", "value_power": 0.0, "lookahead": 0}
-EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool", "value_power", "lookahead")
+       "head_pool": "entropy", "value_power": 0.0, "lookahead": 0, "lookahead_share": 0.0}
+EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool", "value_power", "lookahead",
+                "lookahead_share")
 MAX_LOOKAHEAD = 64
 ENTROPY_REGIONS = ("sinks", "evictable")
 HEAD_POOLS = ("entropy", "max", "rank")
@@ -61,6 +62,9 @@ class EvictionConfig:
                      the window's (each query one vote); the drafted tokens are then removed,
                      so they only decide what is kept (controller/lookahead.py). The window
                      sees the question; the draft sees where the answer looks
+    lookahead_share: x in [0, 1]: the draft's share of the mixed scores, (1 - x) x the window's
+                     mean + x x the drafted tokens' mean; 0: each query one vote (w window
+                     queries and d drafted ones: the draft's share is d / (w + d))
     page_size None: 16 (or entrokv-edge's default).
     """
 
@@ -80,6 +84,7 @@ class EvictionConfig:
     head_pool: str | None = None
     value_power: float | None = None
     lookahead: int | None = None
+    lookahead_share: float | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -109,6 +114,9 @@ class EvictionConfig:
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or \
                 not (0 <= self.lookahead <= MAX_LOOKAHEAD):
             bad(f"lookahead must be an integer in [0, {MAX_LOOKAHEAD}], got {self.lookahead!r}")
+        if isinstance(self.lookahead_share, bool) or not isinstance(self.lookahead_share, (int, float)) or \
+                not (0.0 <= self.lookahead_share <= 1.0):
+            bad(f"lookahead_share must be a number in [0, 1], got {self.lookahead_share!r}")
         if self.head_pool not in HEAD_POOLS:
             bad(f"head_pool must be one of {', '.join(HEAD_POOLS)}, got {self.head_pool!r}")
         if self.entropy_region not in ENTROPY_REGIONS:

@@ -68,7 +68,7 @@ class PageEntroKV:
         without evicting."""
         if not self.config.lookahead:
             return scores
-        return lookahead_scores(llm, scores, self.config.lookahead, eval_tokens, stats)
+        return lookahead_scores(llm, scores, self.config.lookahead, eval_tokens, stats, self.config.lookahead_share)
 
     def evict(self, llm, scores: WindowScores, *, needles=None, n_keep: int | None = None) -> EvictionResult:
         """Select with the configured policy from ``scores`` and compact ``llm``'s cache.

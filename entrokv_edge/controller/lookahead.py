@@ -5,7 +5,8 @@ look. Before the eviction after a prompt, ``lookahead_scores`` drafts up to ``k`
 greedily while the cache still holds every token, observes each drafted token's attention
 (one observed single-token step each), then removes the drafted tokens again (cache, token
 count and last logits as before the draft, also when the draft fails), and returns the
-window's scores averaged with the drafted queries' scores, each query one vote. The
+window's scores mixed with the drafted queries' scores: each query one vote, or with a given
+share for the draft (the option lookahead_share). The
 eviction then runs on the mixed scores, and the answer is generated from the evicted cache
 as without lookahead: the drafted tokens only decide what is kept.
 """
@@ -21,9 +22,11 @@ from ..bindings.observe import Observation, WindowScores, head_slots
 
 
 def lookahead_scores(llm, scores: WindowScores, k: int, eval_tokens: Callable[[list[int]], None],
-                     stats: dict | None = None) -> WindowScores:
-    """``scores`` (the window's, observed on ``llm``'s cache as it is now) averaged with the
-    attention of up to ``k`` tokens drafted greedily from the last logits.
+                     stats: dict | None = None, share: float = 0.0) -> WindowScores:
+    """``scores`` (the window's, observed on ``llm``'s cache as it is now) mixed with the
+    attention of up to ``k`` tokens drafted greedily from the last logits: with ``share`` 0
+    each query one vote, (w x window + sum of the drafted) / (w + d); with ``share`` x in
+    (0, 1], (1 - x) x window + x x the drafted tokens' mean.
 
     The draft stops before an end-of-generation token and where the cache has no room left
     (``draft_room``); with 0 drafted tokens ``scores`` is returned as it is. ``eval_tokens``
@@ -32,6 +35,8 @@ def lookahead_scores(llm, scores: WindowScores, k: int, eval_tokens: Callable[[l
     window's cells and true positions."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"lookahead must be an integer >= 0, got {k!r}")
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not (0.0 <= share <= 1.0):
+        raise ValueError(f"lookahead_share must be a number in [0, 1], got {share!r}")
     llama_cpp = ensure_llama_cpp()
     n, n_vocab, g = llm.n_tokens, llm.n_vocab(), geometry(llm)
     if n == 0 or scores.pos_last != g.pos_max:
@@ -78,8 +83,8 @@ def lookahead_scores(llm, scores: WindowScores, k: int, eval_tokens: Callable[[l
         stats["drafted"] = len(drafted)
     if not drafted:
         return scores
-    w = scores.window
-    mixed = (w * scores.scores + acc) / (w + len(drafted))
+    w, d = scores.window, len(drafted)
+    mixed = (w * scores.scores + acc) / (w + d) if share == 0 else (1.0 - share) * scores.scores + (share / d) * acc
     return WindowScores(mixed, scores.true_pos, scores.layer_ids, scores.window, scores.n_tokens, scores.pos_last)
 
 

@@ -34,7 +34,7 @@ class EntroKVLlama(llama_cpp.Llama):
     Extra keyword arguments: the EvictionConfig settings (``budget``, ``page_size``,
     ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``, and entrokv-edge's
     ``pool``, ``spread``, ``decay``, ``consensus``, ``entropy_region``, ``head_pool``,
-    ``value_power``, ``lookahead``) or
+    ``value_power``, ``lookahead``, ``lookahead_share``) or
     ``eviction=EvictionConfig(...)``; ``logical_ctx`` (the longest conversation accepted,
     default: the model's training context); ``progress`` (a callable(done, total) called
     during long prefills); ``rpc_servers`` ("host:port" or a list: llama.cpp RPC servers
