@@ -116,12 +116,13 @@ def test_lookahead_refuses_scores_of_another_cache_state(synth_models):
 
 def test_controller_and_runtime_evict_with_the_mixed_scores(synth_models):
     """PageEntroKV.prefill and EntroKVLlama (after a prompt) keep what select() keeps on the
-    window's scores mixed with the draft's; the runtime then answers from the prompt's logits."""
+    window's scores mixed with the draft's (with the configured share); the runtime then answers
+    from the prompt's logits."""
     path = synth_models["llama-r3"]
     toks = prompt(13)
-    cfg = ek.EvictionConfig(budget=24, page_size=4, window=W, sinks=4, lookahead=5)
+    cfg = ek.EvictionConfig(budget=24, page_size=4, window=W, sinks=4, lookahead=5, lookahead_share=0.6)
     twin = make_llm(path, type_k="f32")
-    mixed = lookahead_scores(twin, observed(twin, toks), 5, twin.eval)
+    mixed = lookahead_scores(twin, observed(twin, toks), 5, twin.eval, share=cfg.lookahead_share)
     n, r = len(toks), 3                                      # llama-r3: 6 query heads on 2 KV heads
     sel = select(mixed.scores[:, :, :n], r, cfg, n)
     want = pages_to_positions(sel.pages, cfg.page_size, n)

@@ -9,10 +9,11 @@ METHOD_POLICIES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", 
 # every policy name accepted: the method's, and our own variant (docs/variants in the README)
 POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # entrokv-edge's settings where the user leaves them unset (None); page-entrokv = all off.
-# Chosen by benchmarks/variants.py's rounds (round 4 made the first seven the defaults, round 6 added lookahead;
-# round 1's: page_size 16, pool 7, rank)
-EDGE_DEFAULTS = {"page_size": 4, "pool": 7, "spread": 24, "decay": 0.85, "consensus": 0.0, "entropy_region": "sinks",
-                 "head_pool": "rank", "value_power": 0.0, "lookahead": 24, "lookahead_share": 0.0}
+# Chosen by benchmarks/variants.py's rounds (round 4: page_size 4, pool 7, spread 24, decay 0.85, rank; round 6
+# added lookahead 24; round 7: page_size 2, pool 3, decay 0.7, lookahead_share 0.85; round 1's: page_size 16,
+# pool 7, rank)
+EDGE_DEFAULTS = {"page_size": 2, "pool": 3, "spread": 24, "decay": 0.7, "consensus": 0.0, "entropy_region": "sinks",
+                 "head_pool": "rank", "value_power": 0.0, "lookahead": 24, "lookahead_share": 0.85}
 OFF = {"page_size": 16, "pool": 0, "spread": 0, "decay": 1.0, "consensus": 0.0, "entropy_region": "sinks",
        "head_pool": "entropy", "value_power": 0.0, "lookahead": 0, "lookahead_share": 0.0}
 EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool", "value_power", "lookahead",
