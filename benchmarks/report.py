@@ -330,6 +330,35 @@ def _mean_kl(x) -> float:
     return sum(r["kl_mean"] for r in x) / max(len(x), 1)
 
 
+def pooled_goal(rows, splits, peer_rows=()) -> str:
+    """Issue 7's goal per model and length over every split at once: the full cache's right
+    answers entrokv-edge keeps, and its mean KL against every baseline's (and every peer's
+    where it ran: their mean over the prompts they ran on, ours over the same prompts)."""
+    key = lambda r: (r["model"], r["split"], r["length"], r["depth"])  # noqa: E731
+    by = {(r["config"],) + key(r): r for r in list(rows) + list(peer_rows)}
+    cells = sorted({(r["model"], r["length"]) for r in rows if r["config"] == EDGE and r["split"] in splits})
+    if not cells:
+        return ""
+    others = [c for c in (OURS,) + BASELINES if any(r["config"] == c for r in rows)]
+    peers = list(dict.fromkeys(r["config"] for r in peer_rows))
+    table = []
+    for m, n in cells:
+        ks = [key(r) for r in rows if r["config"] == "full" and (r["model"], r["length"]) == (m, n)
+              and r["split"] in splits and (EDGE,) + key(r) in by]
+        right = [k for k in ks if by[("full",) + k]["correct"]]
+        kept = sum(bool(by[(EDGE,) + k]["correct"]) for k in right)
+        line = [f"{m} {n // 1024}k", len(ks), f"{kept}/{len(right)}", f"{_mean_kl([by[(EDGE,) + k] for k in ks]):.4f}"]
+        for c in others + peers:
+            kc = [k for k in ks if (c,) + k in by]
+            line.append(f"{_mean_kl([by[(c,) + k] for k in kc]):.4f} vs {_mean_kl([by[(EDGE,) + k] for k in kc]):.4f}"
+                        if c in peers and kc else f"{_mean_kl([by[(c,) + k] for k in kc]):.4f}" if kc else "")
+        table.append(line)
+    return ("**Issue 7's goal over every split at once** (per model and length: prompts, the full cache's right "
+            f"answers {EDGE} keeps, its mean KL and every other policy's on the same prompts; peers: theirs vs ours "
+            "on the prompts they ran):\n\n"
+            + _table(["model, length", "prompts", "kept", EDGE] + others + peers, table) + "\n")
+
+
 def variants_section(d, peers=None) -> str:
     """Section 7 from results/variants.json (benchmarks/variants.py) and, where present,
     results/variants_peers.json (benchmarks/variants_peers.py: the kvpress presses' answers and KL
@@ -418,6 +447,7 @@ def variants_section(d, peers=None) -> str:
             s.append(f"Every entrokv-edge configuration keeps one set per group: UOR {max(uors):.3f} at most"
                      + (", and the same tokens per buffer as Page-EntroKV at the same page size" if same else "")
                      + ".\n\n")
+    s.append(pooled_goal(rows, splits, peer_rows))
     # the rules' outcomes, recomputed from the rows
     ok = lambda c, sps: sum(r["correct"] for r in rows if r["config"] == c and r["split"] in sps)  # noqa: E731
     kl = lambda c, sps: _mean_kl([r for r in rows if r["config"] == c and r["split"] in sps])  # noqa: E731

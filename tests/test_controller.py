@@ -8,6 +8,7 @@ import pytest
 
 import entrokv_edge as ek
 from entrokv_edge.bindings import evict_native
+from entrokv_edge.controller.config import EDGE_DEFAULTS
 from helpers import feed, greedy, load_blob, make_llm, state_blob
 from llama_cpp import llama_cpp as C
 
@@ -40,8 +41,8 @@ def test_every_policy_on_smollm2_generates_and_accounts_memory_exactly(smollm2):
         m = res.metrics
         assert m["kv_bytes_kept"] == m["kv_bytes_engine"] == ek.geometry(llm).n_used * g.bytes_per_cell
         assert m["uor_count"] == 90 and 1.0 <= m["uor_mean"] <= m["uor_max"] <= 3.0
-        P = m["page_size"]                     # 16, entrokv-edge's default 4
-        assert P == (4 if policy == "entrokv-edge" else 16)
+        P = m["page_size"]                     # 16, or entrokv-edge's default
+        assert P == (EDGE_DEFAULTS["page_size"] if policy == "entrokv-edge" else 16)
         assert m["budget_pages"] == (1500 * 2 // 10) // P or policy == "full"
         if policy in ("head-independent", "full"):
             assert m["kept_pages"] >= m["budget_pages"]

@@ -128,6 +128,10 @@ def test_variants_keep_the_budget_and_are_graded_against_the_full_cache(variants
     assert "**heldout6 split**" in text and "drawer needles" in text
     assert "**heldout7 split**" in text and "safe-combination needles" in text
     assert "vs page-entrokv: answers" in text and "Issue 7's goal" in text
+    # the goal over every split at once: one line per model and length, every prompt of the run in it
+    assert "Issue 7's goal over every split at once" in text
+    pooled = [ln for ln in text.splitlines() if ln.startswith("| smollm2-135m 1k |")]
+    assert len(pooled) == 1 and f"| {len(cases)} |" in pooled[0]
 
 
 def test_eviction_cost_times_every_setting_on_the_same_prompt():

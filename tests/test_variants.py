@@ -354,27 +354,20 @@ def test_edge_options_are_validated_and_resolved():
     assert EvictionConfig(policy="entrokv-edge", decay=0.8).decay == 0.8 and EvictionConfig(policy="mean-pool").decay == 1.0
     with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
         EvictionConfig(policy="page-entrokv", head_pool="rank")
-    for bad in (-0.5, 4.5, True, "2", float("nan"), float("inf"), [2]):
-        with pytest.raises(ValueError, match="value_power must be a number in"):
-            EvictionConfig(policy="entrokv-edge", value_power=bad)
-    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
-        EvictionConfig(policy="head-independent", value_power=2)
-    assert EvictionConfig(policy="entrokv-edge", value_power=2).value_power == 2 and \
-        EvictionConfig(policy="page-entrokv").value_power == 0.0
-    for bad in (-1, 65, True, 4.0, "8", 2.5):
-        with pytest.raises(ValueError, match=r"lookahead must be an integer in \[0, 64\]"):
-            EvictionConfig(policy="entrokv-edge", lookahead=bad)
-    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
-        EvictionConfig(policy="page-entrokv", lookahead=8)
-    assert EvictionConfig(policy="entrokv-edge", lookahead=64).lookahead == 64 and \
-        EvictionConfig(policy="max-pool").lookahead == 0
-    for bad in (-0.1, 1.01, True, "0.5", float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"lookahead_share must be a number in \[0, 1\]"):
-            EvictionConfig(policy="entrokv-edge", lookahead_share=bad)
-    with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
-        EvictionConfig(policy="mean-pool", lookahead_share=0.5)
-    assert EvictionConfig(policy="entrokv-edge", lookahead_share=1).lookahead_share == 1 and \
-        EvictionConfig(policy="max-pool").lookahead_share == 0.0
+    # (option, bad values, the error, a good value, another policy that must refuse it)
+    for name, bads, msg, good, other in (
+            ("value_power", (-0.5, 4.5, True, "2", float("nan"), float("inf"), [2]), "value_power must be a number in",
+             2, "head-independent"),
+            ("lookahead", (-1, 65, True, 4.0, "8", 2.5), r"lookahead must be an integer in \[0, 64\]", 64, "page-entrokv"),
+            ("lookahead_share", (-0.1, 1.01, True, "0.5", float("nan"), float("inf")),
+             r"lookahead_share must be a number in \[0, 1\]", 1, "mean-pool")):
+        for bad in bads:
+            with pytest.raises(ValueError, match=msg):
+                EvictionConfig(policy="entrokv-edge", **{name: bad})
+        with pytest.raises(ValueError, match="belong to the entrokv-edge policy"):
+            EvictionConfig(policy=other, **{name: good})
+        assert getattr(EvictionConfig(policy="entrokv-edge", **{name: good}), name) == good
+        assert getattr(EvictionConfig(policy="max-pool"), name) == OFF[name] == 0
 
 
 @settings(max_examples=40, deadline=None)
