@@ -350,8 +350,8 @@ def pooled_goal(rows, splits, peer_rows=()) -> str:
         line = [f"{m} {n // 1024}k", len(ks), f"{kept}/{len(right)}", f"{_mean_kl([by[(EDGE,) + k] for k in ks]):.4f}"]
         for c in others + peers:
             kc = [k for k in ks if (c,) + k in by]
-            line.append(f"{_mean_kl([by[(c,) + k] for k in kc]):.4f} vs {_mean_kl([by[(EDGE,) + k] for k in kc]):.4f}"
-                        if c in peers and kc else f"{_mean_kl([by[(c,) + k] for k in kc]):.4f}" if kc else "")
+            mean = lambda cfg: f"{_mean_kl([by[(cfg,) + k] for k in kc]):.4f}"  # noqa: E731
+            line.append("" if not kc else f"{mean(c)} vs {mean(EDGE)}" if c in peers else mean(c))
         table.append(line)
     return ("**Issue 7's goal over every split at once** (per model and length: prompts, the full cache's right "
             f"answers {EDGE} keeps, its mean KL and every other policy's on the same prompts; peers: theirs vs ours "

@@ -60,7 +60,7 @@ class EvictionConfig:
                      keys with small values matter less (VATP's value-aware score, generalized)
     lookahead      : k in [0, MAX_LOOKAHEAD] (0: off): before the eviction after a prompt, up to k
                      tokens are drafted greedily with the whole cache and their attention joins
-                     the window's (each query one vote); the drafted tokens are then removed,
+                     the window's (mixed by lookahead_share); the drafted tokens are then removed,
                      so they only decide what is kept (controller/lookahead.py). The window
                      sees the question; the draft sees where the answer looks
     lookahead_share: x in [0, 1]: the draft's share of the mixed scores, (1 - x) x the window's
