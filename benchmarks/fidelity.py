@@ -1,5 +1,6 @@
 """Fidelity to the full cache: greedy-token agreement and KL(full || evicted) of the
-next-token distributions over the answer, per policy, budget and placement.
+next-token distributions over the answer, per policy (the method's evicting policies and
+entrokv-edge with its defaults), budget and placement.
 
     python benchmarks/fidelity.py [--quick] [--models ...] [--json out.json]
 
@@ -30,7 +31,8 @@ QA_QUESTIONS = ["What is the main argument of this essay? Answer in two sentence
                 "Which examples does the author use to support his point? Answer briefly."]
 CODE_MODULES = ["textwrap", "shlex", "fractions", "heapq", "bisect", "colorsys", "difflib", "glob"]
 EVICTING = tuple(p for p in ek.METHOD_POLICIES if p != "full")   # Page-EntroKV first, then the baselines
-FULL = dict(length=2048, n_qa=3, n_code=3, budgets=[0.1, 0.2, 0.5], tokens=64)
+POLICIES = EVICTING + ("entrokv-edge",)                           # ... and our default policy (its defaults)
+FULL = dict(length=2048, n_qa=6, n_code=6, budgets=[0.1, 0.2, 0.5], tokens=64)
 QUICK = dict(length=1024, n_qa=1, n_code=1, budgets=[0.2], tokens=8)
 
 
@@ -77,7 +79,7 @@ def _follow(llm, first: np.ndarray, tokens: list[int]) -> list[np.ndarray]:
     return out
 
 
-def run(models, length, n_qa, n_code, budgets, tokens, policies=EVICTING, placements=H.PLACEMENTS, offset=0,
+def run(models, length, n_qa, n_code, budgets, tokens, policies=POLICIES, placements=H.PLACEMENTS, offset=0,
         log=print) -> list[dict]:
     rows = []
     for model in models:
