@@ -336,7 +336,6 @@ def peers_section(d, niah_d) -> str:
     return "".join(s)
 
 
-
 NEEDLE_KINDS = {"sandwich": "needlehaystack needle", "magic": "magic-number needles", "passkey": "pass-key needles",
                 "room": "meeting-room needles", "gate": "flight-gate needles", "locker": "locker-code needles",
                 "drawer": "bicycle-key drawer needles", "safe": "safe-combination needles"}
