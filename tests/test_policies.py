@@ -10,6 +10,7 @@ from entrokv_edge.bindings import select_pages_native
 from entrokv_edge.controller import metrics as M
 from entrokv_edge.controller import select
 from entrokv_edge.controller.pages import page_scores, pages_to_positions, select_pages
+from entrokv_edge.controller.stats import head_page_dist, head_stats
 from entrokv_edge.controller.weights import collision, head_weights, isolate_sinks, masquerade_ratio
 
 
@@ -127,6 +128,18 @@ def test_all_sink_heads_fall_back_to_uniform():
     s[0, :, :4] = 0.25
     p, flagged = isolate_sinks(s, 4)
     assert flagged.all() and np.allclose(p[0, 0, 4:], 1 / 46) and (p[..., :4] == 0).all()
+
+
+@pytest.mark.parametrize("P", [1, 4, 8])
+def test_page_distributions_are_the_page_sums_of_the_isolated_ones(P):
+    """head_page_dist (from page statistics) against isolate_sinks' token distributions summed
+    per page, an all-sink head (the uniform fallback) among normal ones."""
+    s = np.random.default_rng(P).random((2, 3, 50))
+    s[1, 2, 4:] = 0.0
+    p, flagged = isolate_sinks(s, 4)
+    assert flagged.sum() == 1 and flagged[1, 2]
+    want = np.add.reduceat(p, np.arange(0, 50, P), axis=-1)
+    np.testing.assert_allclose(head_page_dist(head_stats(s, 4, P)), want, rtol=1e-12, atol=1e-15)
 
 
 @settings(max_examples=40, deadline=None)

@@ -69,4 +69,6 @@ def head_page_dist(st: HeadStats, isolated: bool = True) -> np.ndarray:
     if not isolated:
         return st.page_all / np.where(st.mass_all > 0, st.mass_all, 1.0)[..., None]
     p = st.page_iso / np.where(st.flagged, 1.0, st.mass_iso)[..., None]
-    return np.where(st.flagged[..., None], st.uniform_pages, p)
+    if st.flagged.any():       # in place: no second [L, H, n_pages] array
+        p[st.flagged] = st.uniform_pages
+    return p
