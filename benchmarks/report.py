@@ -150,7 +150,7 @@ def niah_section(d, results: Path) -> str:
     return "".join(s)
 
 
-def fidelity_section(d) -> str:
+def fidelity_section(d, agnostic=None) -> str:
     summ, rows = d["data"]["summary"], d["data"]["rows"]
     s = ["## 4. Fidelity to the full cache\n",
          "The full cache answers greedily; each evicted cache is teacher-forced along that answer. KL(full || "
@@ -174,6 +174,8 @@ def fidelity_section(d) -> str:
         s.append(f"\nHead-independent holds {ratio:.2f}x the tokens of the exact-budget policies on these prompts "
                  "(its union), so its KL is bought with memory.\n")
     s.append(fidelity_edge(rows))
+    if agnostic is not None:
+        s.append(agnostic_section(agnostic))
     return "".join(s)
 
 
@@ -209,6 +211,39 @@ def fidelity_edge(rows) -> str:
         s.append(f"\nIssue 7's goal on this judge ({int(GOAL_BUDGET * 100)}%, mean KL of {EDGE} lower than every other "
                  "policy's): "
                  + "; ".join(goal) + ".\n")
+    return "".join(s)
+
+
+AGNOSTIC_LABEL = {"window": "the window only", "edge": f"{EDGE}'s defaults (window + draft)",
+                  "chunks": "every prefill ubatch's tail", "recon": "context reconstruction",
+                  "probe": "a generic question + its draft", "mix": "chunks, recon, probe together",
+                  "head-independent": "its own selection (the union)"}
+
+
+def agnostic_section(d) -> str:
+    """From results/agnostic.json (benchmarks/agnostic.py): question-agnostic scores for the
+    question after the eviction, each evicting with entrokv-edge's selection at 20%, against
+    head-independent eviction and entrokv-edge's defaults, paired per prompt."""
+    m, summ = d["meta"], d["data"]["summary"]
+    s = [f"\n**With the question after the eviction: question-agnostic scores** (`benchmarks/agnostic.py`, "
+         f"{m['mode']} mode, commit `{m['commit']}`, {m['date']}, {m['seconds'] / 60:.1f} min; the same "
+         f"prompts, {int(m['settings']['budget'] * 100)}%). Each source scores the keys of the same prefill, "
+         f"{EDGE}'s selection keeps the exact budget; the sources are defined in the script's docstring. "
+         "Wins-losses: lower KL per prompt (sign test p).\n\n"]
+    edge_kept = {r["model"]: r["kept_tokens"] for r in summ if r["scores"] == "edge"}
+    table = [[r["model"], f"`{r['scores']}`: {AGNOSTIC_LABEL.get(r['scores'], '')}", r["prompts"], r["kl_mean"],
+              f"{r['kept_tokens'] / max(edge_kept.get(r['model'], 1), 1):.2f}x",
+              "" if r["scores"] == "head-independent" else
+              f"{r['vs_head-independent']['wins']}-{r['vs_head-independent']['losses']} "
+              f"(p {r['vs_head-independent']['p']:.3f})",
+              "" if r["scores"] == "edge" else
+              f"{r['vs_edge']['wins']}-{r['vs_edge']['losses']} (p {r['vs_edge']['p']:.3f})"] for r in summ]
+    s.append(_table(["model", "scores", "n", "mean KL", "tokens", "vs head-independent", f"vs {EDGE}"], table))
+    hi = {r["model"]: r["kl_mean"] for r in summ if r["scores"] == "head-independent"}
+    below = [f"{r['model']} {r['scores']}" for r in summ
+             if r["scores"] != "head-independent" and r["model"] in hi and r["kl_mean"] < hi[r["model"]]]
+    s.append("\nA lower mean KL than head-independent eviction at the exact budget: "
+             + (", ".join(below) if below else "none") + ".\n")
     return "".join(s)
 
 
@@ -552,6 +587,7 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
     results = Path(results)
     parts = {p: _load(results, p) for p in ("uor", "masquerade", "niah", "fidelity", "speed", "peers", "variants")}
     variants_peers = _load(results, "variants_peers")
+    agnostic = _load(results, "agnostic")
     any_meta = next((v["meta"] for v in parts.values() if v), None)
     if any_meta is None:
         raise SystemExit(f"no results in {results}")
@@ -580,7 +616,7 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
     s.append("Parts: " + "; ".join(cover) + ".\n\n")
     makers = {"uor": uor_section, "masquerade": masquerade_section,
               "niah": lambda d: niah_section(d, Path(os.path.relpath(results, Path(report).parent))),
-              "fidelity": fidelity_section, "speed": speed_section,
+              "fidelity": lambda d: fidelity_section(d, agnostic), "speed": speed_section,
               "peers": lambda d: peers_section(d, parts.get("niah")),
               "variants": lambda d: variants_section(d, variants_peers)}
     for p, d in parts.items():
