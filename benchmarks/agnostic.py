@@ -15,9 +15,10 @@ and the full cache's greedy answer is teacher-forced as in benchmarks/fidelity.p
   chunks   every prefill ubatch's tail of ``window`` queries (the issue's "several observation
            windows"): per key, the mean over the tails that saw it
   recon    context reconstruction (after KVzip, Kim et al. 2025): "Repeat the previous text
-           exactly." and the document again, evaluated after the prompt in observed chunks of
-           128 tokens; per key, the mean over the chunks of their queries' attention; then
-           the repeat is removed
+           exactly." and the whole document again, evaluated after the prompt in chunks of
+           (nearly) equal size, at most 128 tokens, each its own observed ubatch (its last w
+           queries, w the smallest chunk's size); per key, the mean over the chunks of their
+           queries' attention; then the repeat is removed
   probe    a generic question in the model's chat form ("Summarize the text above.") evaluated
            after the prompt and observed, a 24-token greedy draft of its answer (drafted
            share and length as entrokv-edge's lookahead), then removed
@@ -94,11 +95,15 @@ def recon_scores(llm, snap: H.Snapshot, doc: list[int]) -> np.ndarray:
         acc = x.copy() if acc is None else acc + x
         cnt += 1
 
+    if not doc:
+        raise ValueError("nothing to reconstruct: the document is empty")
+    cuts = np.linspace(0, len(doc), -(-len(doc) // RECON_CHUNK) + 1).round().astype(int)
+    chunks = [doc[a:b] for a, b in zip(cuts[:-1], cuts[1:])]       # the whole document, chunks of equal size
     try:
         llm.eval(H.text_tokens(llm, REPEAT))
-        with Observation(llm, RECON_CHUNK, handler=add, keep_last=False):
-            for i in range(0, len(doc) - RECON_CHUNK + 1, RECON_CHUNK):
-                llm.eval(doc[i: i + RECON_CHUNK])
+        with Observation(llm, min(map(len, chunks)), handler=add, keep_last=False):
+            for c in chunks:
+                llm.eval(c)
     finally:
         _undo(llm, n, last, strict=True)
     return acc / cnt
@@ -170,10 +175,10 @@ def run(models, length, n_qa, n_code, tokens, log=print) -> list[dict]:
 
 def summary(rows: list[dict]) -> list[dict]:
     """Per (model, scores): mean KL, kept tokens, paired wins-losses against head-independent
-    eviction and against entrokv-edge's defaults (on the same prompts)."""
+    eviction and against entrokv-edge's defaults (on the same prompts: model, kind, source)."""
     by = {}
     for r in rows:
-        by.setdefault((r["model"], r["source"]), {})[r["scores"]] = r
+        by.setdefault((r["model"], r.get("kind"), r["source"]), {})[r["scores"]] = r
     out = []
     for model in sorted({r["model"] for r in rows}):
         cells = [v for k, v in by.items() if k[0] == model]

@@ -222,13 +222,15 @@ AGNOSTIC_LABEL = {"window": "the window only", "edge": f"{EDGE}'s defaults (wind
 
 def agnostic_section(d) -> str:
     """From results/agnostic.json (benchmarks/agnostic.py): question-agnostic scores for the
-    question after the eviction, each evicting with entrokv-edge's selection at 20%, against
-    head-independent eviction and entrokv-edge's defaults, paired per prompt."""
+    question after the eviction, each evicting with entrokv-edge's selection at the exact
+    budget, against head-independent eviction (its own selection and union) and entrokv-edge's
+    defaults, paired per prompt."""
     m, summ = d["meta"], d["data"]["summary"]
     s = [f"\n**With the question after the eviction: question-agnostic scores** (`benchmarks/agnostic.py`, "
          f"{m['mode']} mode, commit `{m['commit']}`, {m['date']}, {m['seconds'] / 60:.1f} min; the same "
          f"prompts, {int(m['settings']['budget'] * 100)}%). Each source scores the keys of the same prefill, "
-         f"{EDGE}'s selection keeps the exact budget; the sources are defined in the script's docstring. "
+         f"{EDGE}'s selection keeps the exact budget (head-independent eviction: its own selection and union); the "
+         "sources are defined in the script's docstring. "
          "Wins-losses: lower KL per prompt (sign test p).\n\n"]
     edge_kept = {r["model"]: r["kept_tokens"] for r in summ if r["scores"] == "edge"}
     table = [[r["model"], f"`{r['scores']}`: {AGNOSTIC_LABEL.get(r['scores'], '')}", r["prompts"], r["kl_mean"],
@@ -624,7 +626,8 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
             s.append("## 7. Beyond the paper: entrokv-edge\n\nNot in this report: `python benchmarks/variants.py` "
                      "writes its results (results/variants.json).\n\n")
         elif d is None:
-            s.append(f"## {p}\n\nNot run in this report.\n\n")
+            s.append(f"## {p}\n\nNot run in this report.\n" + (agnostic_section(agnostic) if p == "fidelity" and
+                                                                  agnostic else "") + "\n")
         else:
             s.append(makers[p](d) + "\n")
     Path(report).write_text("".join(s))
