@@ -46,7 +46,7 @@ from llama_cpp import llama_cpp as C
 
 import _harness as H
 import fidelity as F
-from report import sign_test
+from report import _pairs, sign_test
 
 SOURCES = ("window", "edge", "chunks", "recon", "probe", "mix", "head-independent")
 REPEAT = "\n\nRepeat the previous text exactly.\n\n"
@@ -164,7 +164,7 @@ def run(models, length, n_qa, n_code, tokens, log=print) -> list[dict]:
             for src, (cfg, x) in cases.items():
                 m = H.evict_from(llm, snap, cfg, scores=None if x is None else _as_scores(snap, x))
                 lp = F._follow(llm, first(), ref)
-                kl = float(np.mean([np.sum(np.exp(f) * (f - e)) for f, e in zip(full_lp, lp)]))
+                kl = float(np.mean(F._kl(full_lp, lp)))
                 rows.append({"model": model, "kind": p.meta["kind"], "source": p.meta["source"], "scores": src,
                              "kl_mean": kl, "kept_tokens": int(m["kept_tokens"]), "prompt_tokens": len(p.prefix),
                              "tokens": len(ref)})
@@ -176,23 +176,19 @@ def run(models, length, n_qa, n_code, tokens, log=print) -> list[dict]:
 def summary(rows: list[dict]) -> list[dict]:
     """Per (model, scores): mean KL, kept tokens, paired wins-losses against head-independent
     eviction and against entrokv-edge's defaults (on the same prompts: model, kind, source)."""
-    by = {}
-    for r in rows:
-        by.setdefault((r["model"], r.get("kind"), r["source"]), {})[r["scores"]] = r
     out = []
     for model in sorted({r["model"] for r in rows}):
-        cells = [v for k, v in by.items() if k[0] == model]
+        mr = [r for r in rows if r["model"] == model]
         for src in SOURCES:
-            mine = [c for c in cells if src in c]
+            mine = [r for r in mr if r["scores"] == src]
             if not mine:
                 continue
             s = {"model": model, "scores": src, "prompts": len(mine),
-                 "kl_mean": float(np.mean([c[src]["kl_mean"] for c in mine])),
-                 "kept_tokens": float(np.mean([c[src]["kept_tokens"] for c in mine]))}
-            for ref in ("head-independent", "edge"):
-                both = [c for c in mine if ref in c]
-                w = sum(c[src]["kl_mean"] < c[ref]["kl_mean"] for c in both)
-                lo = sum(c[src]["kl_mean"] > c[ref]["kl_mean"] for c in both)
+                 "kl_mean": float(np.mean([r["kl_mean"] for r in mine])),
+                 "kept_tokens": float(np.mean([r["kept_tokens"] for r in mine]))}
+            pairs = _pairs(mr, ("kind", "source"), "kl_mean", lambda a, c: (a < c) - (a > c), src,
+                           ("head-independent", "edge"), field="scores")
+            for ref, (w, lo, _) in pairs.items():
                 s[f"vs_{ref}"] = {"wins": w, "losses": lo, "p": sign_test(w, lo)}
             out.append(s)
     return out

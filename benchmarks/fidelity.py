@@ -71,6 +71,11 @@ def _logp(lg: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum())
 
 
+def _kl(ref_lp, lp) -> list[float]:
+    """KL(full || evicted) per step, from the two runs' next-token log-probabilities."""
+    return [float(np.sum(np.exp(f) * (f - e))) for f, e in zip(ref_lp, lp)]
+
+
 def _follow(llm, first: np.ndarray, tokens: list[int]) -> list[np.ndarray]:
     """Next-token log-probabilities along ``tokens`` (teacher forcing), first one given."""
     out = [_logp(first)]
@@ -105,7 +110,7 @@ def run(models, length, n_qa, n_code, budgets, tokens, policies=POLICIES, placem
                     for b in budgets:
                         m = H.evict_from(llm, snap, ek.EvictionConfig(budget=b, policy=pol))
                         lp = _follow(llm, first_logits(), ref)
-                        kl = [float(np.sum(np.exp(f) * (f - e))) for f, e in zip(full_lp, lp)]
+                        kl = _kl(full_lp, lp)
                         agree = [int(np.argmax(e)) == t for e, t in zip(lp, ref)]
                         rows.append({"model": model, "kind": p.meta["kind"], "source": p.meta["source"],
                                      "placement": pl, "policy": pol, "budget": b, "tokens": len(ref),

@@ -90,11 +90,12 @@ def masquerade_section(d) -> str:
     return "".join(s)
 
 
-def _pairs(rows, key_fields, metric, better, ours=OURS, others=BASELINES):
-    """Paired comparison of ``ours`` against each of ``others`` on rows sharing key_fields."""
+def _pairs(rows, key_fields, metric, better, ours=OURS, others=BASELINES, field="policy"):
+    """Paired comparison of ``ours`` against each of ``others`` (values of each row's ``field``)
+    on rows sharing key_fields: {other: (wins, losses, ties)}."""
     by = defaultdict(dict)
     for r in rows:
-        by[tuple(r[k] for k in key_fields)][r["policy"]] = r[metric]
+        by[tuple(r[k] for k in key_fields)][r[field]] = r[metric]
     out = {}
     for b in others:
         w = lo = t = 0

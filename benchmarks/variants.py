@@ -205,7 +205,7 @@ from entrokv_edge.controller.config import OFF  # noqa: E402
 
 import _harness as H  # noqa: E402
 import niah  # noqa: E402
-from fidelity import _follow, _logp  # noqa: E402
+from fidelity import _follow, _kl, _logp  # noqa: E402
 
 # name -> EvictionConfig settings (budget added per run). "edge:<opt>": entrokv-edge with that
 # one option on and the others off; "entrokv-edge": its defaults (EDGE_DEFAULTS).
@@ -371,10 +371,6 @@ def decode(llm, first: np.ndarray, n: int, stop: set[int]):
             llm.eval([t])
             lg = H.logits(llm)
     return toks, lps
-
-
-def _kl(ref_lp, lp) -> list[float]:
-    return [float(np.sum(np.exp(f) * (f - e))) for f, e in zip(ref_lp, lp)]
 
 
 def answer_scores(llm, snap: H.Snapshot, ref: list[int]) -> ek.WindowScores:

@@ -89,8 +89,9 @@ def test_run_keeps_the_budget_for_every_source_but_head_independent():
 
 def test_summary_counts_paired_wins_and_the_report_names_sources_below_head_independent():
     hi = [0.0, 0.1, 0.2, 0.4]                      # mean 0.175
-    rows = [{"model": "m", "source": f"s{i}", "scores": src, "kl_mean": kl, "kept_tokens": 10 if src != "head-independent"
-             else 18} for i in range(4) for src, kl in (("edge", 0.2), ("head-independent", hi[i]), ("probe", 0.15))]
+    rows = [{"model": "m", "kind": "qa", "source": f"s{i}", "scores": src, "kl_mean": kl,
+             "kept_tokens": 10 if src != "head-independent" else 18}
+            for i in range(4) for src, kl in (("edge", 0.2), ("head-independent", hi[i]), ("probe", 0.15))]
     s = {x["scores"]: x for x in A.summary(rows)}
     assert s["probe"]["vs_head-independent"] == {"wins": 2, "losses": 2, "p": 1.0}
     assert s["probe"]["vs_edge"]["wins"] == 4 and s["probe"]["vs_edge"]["losses"] == 0
