@@ -24,6 +24,14 @@ and the full cache's greedy answer is teacher-forced as in benchmarks/fidelity.p
            share and length as entrokv-edge's lookahead), then removed
   mix      chunks, recon and probe together: the mean of the three, each head's scores
            normalized to sum 1 first (the sources see different queries)
+two bounds, from what does not exist yet when the eviction runs (BOUNDS: never a policy,
+they say where the gap lies):
+  question the real question (the prompt's suffix in chat form) evaluated after the document,
+           all its tokens one observed window, then removed: scores a store of the evicted
+           pages could at best recall by once the question arrives
+  answer   the question and the full cache's greedy answer (the reference the KL follows),
+           teacher-forced as one observed window, then removed: the attention the answer pays,
+           an upper bound for any scores this selection could be given
 and head-independent eviction (each head's own top 20%, the union kept: 1.7-2x the tokens).
 Prints per model each source's mean KL, kept tokens and paired wins-losses (with a two-sided
 sign test) against head-independent eviction and against entrokv-edge's defaults, and writes
@@ -46,9 +54,9 @@ from llama_cpp import llama_cpp as C
 
 import _harness as H
 import fidelity as F
-from report import _pairs, sign_test
+from report import AGNOSTIC_BOUNDS as BOUNDS, _pairs, sign_test  # noqa: F401 (BOUNDS: the docstring's)
 
-SOURCES = ("window", "edge", "chunks", "recon", "probe", "mix", "head-independent")
+SOURCES = ("window", "edge", "chunks", "recon", "probe", "mix", "question", "answer", "head-independent")
 REPEAT = "\n\nRepeat the previous text exactly.\n\n"
 PROBE = "Summarize the text above."
 RECON_CHUNK = 128
@@ -124,6 +132,23 @@ def probe_scores(llm, snap: H.Snapshot, k: int, share: float) -> np.ndarray:
     return np.asarray(s.scores[:, :, :n], dtype=np.float64)
 
 
+def seen_scores(llm, snap: H.Snapshot, tokens: list[int]) -> np.ndarray:
+    """[L, H, n]: the attention of ``tokens``, evaluated after the prompt as one observed
+    window (every token a window query), on the prompt's keys; the cache is as before when
+    it returns."""
+    n = snap.n_tokens
+    last = H.logits(llm)
+    most = min(llm.n_batch, llm.context_params.n_ubatch)
+    if not tokens or len(tokens) > most:
+        raise ValueError(f"{len(tokens)} tokens: one observed window holds 1..{most}")
+    try:
+        with Observation(llm, len(tokens)) as obs:
+            llm.eval(tokens)
+    finally:
+        _undo(llm, n, last, strict=True)
+    return np.asarray(obs.last.scores[:, :, :n], dtype=np.float64)
+
+
 def _unit(x: np.ndarray) -> np.ndarray:
     t = x.sum(axis=-1, keepdims=True)
     return x / np.where(t > 0, t, 1.0)
@@ -157,9 +182,11 @@ def run(models, length, n_qa, n_code, tokens, log=print) -> list[dict]:
             edge = ek.EvictionConfig(budget=BUDGET)
             probe = probe_scores(llm, snap, edge.lookahead, edge.lookahead_share)
             mix = (_unit(tails) + _unit(recon) + _unit(probe)) / 3
+            question = seen_scores(llm, snap, p.suffix)
+            answer = seen_scores(llm, snap, p.suffix + ref)
             own = ek.EvictionConfig(budget=BUDGET, lookahead=0)
             cases = {"window": (own, None), "edge": (edge, None), "chunks": (own, tails), "recon": (own, recon),
-                     "probe": (own, probe), "mix": (own, mix),
+                     "probe": (own, probe), "mix": (own, mix), "question": (own, question), "answer": (own, answer),
                      "head-independent": (ek.EvictionConfig(budget=BUDGET, policy="head-independent"), None)}
             for src, (cfg, x) in cases.items():
                 m = H.evict_from(llm, snap, cfg, scores=None if x is None else _as_scores(snap, x))

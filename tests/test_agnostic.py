@@ -76,6 +76,35 @@ def test_recon_and_probe_leave_the_cache_as_it_was(llm, prompt):
         np.testing.assert_array_equal(H.logits(llm), snap.logits)
 
 
+def test_seen_scores_average_the_window_over_its_queries_and_leave_the_cache(llm, prompt):
+    """The question's window is the first part of the question + answer window: causal attention
+    gives its queries the same rows in both, so (q + a) x answer - q x question is the answer
+    queries' attention: >= 0 everywhere, and per head at most a x 1 on the prompt's keys."""
+    snap, _ = A.prefill_tails(llm, prompt, 32)
+    q = list(prompt.suffix)
+    a = H.greedy(llm, _first(llm, snap, q), 12, H.stop_tokens(llm))
+    assert len(a) >= 4
+    H.restore(llm, snap)
+    sq = A.seen_scores(llm, snap, q)
+    assert llm.n_tokens == snap.n_tokens and _state(llm) == snap.state
+    sqa = A.seen_scores(llm, snap, q + a)
+    assert llm.n_tokens == snap.n_tokens and _state(llm) == snap.state
+    np.testing.assert_array_equal(H.logits(llm), snap.logits)
+    rest = sqa * (len(q) + len(a)) - sq * len(q)
+    assert rest.min() > -1e-4
+    assert (rest.sum(axis=-1) <= len(a) + 1e-3).all() and rest.sum() > 0
+    assert not np.allclose(sq, sqa)
+    with pytest.raises(ValueError, match="one observed window holds"):
+        A.seen_scores(llm, snap, [])
+    assert _state(llm) == snap.state
+
+
+def _first(llm, snap, q):
+    H.restore(llm, snap)
+    llm.eval(q)
+    return H.logits(llm)
+
+
 def test_run_keeps_the_budget_for_every_source_but_head_independent():
     rows = A.run(["smollm2-135m"], 1024, 1, 0, 4, log=lambda *_: None)
     assert [r["scores"] for r in rows] == list(A.SOURCES)
@@ -91,7 +120,8 @@ def test_summary_counts_paired_wins_and_the_report_names_sources_below_head_inde
     hi = [0.0, 0.1, 0.2, 0.4]                      # mean 0.175
     rows = [{"model": "m", "kind": "qa", "source": f"s{i}", "scores": src, "kl_mean": kl,
              "kept_tokens": 10 if src != "head-independent" else 18}
-            for i in range(4) for src, kl in (("edge", 0.2), ("head-independent", hi[i]), ("probe", 0.15))]
+            for i in range(4) for src, kl in (("edge", 0.2), ("head-independent", hi[i]), ("probe", 0.15),
+                                               ("answer", 0.05))]
     s = {x["scores"]: x for x in A.summary(rows)}
     assert s["probe"]["vs_head-independent"] == {"wins": 2, "losses": 2, "p": 1.0}
     assert s["probe"]["vs_edge"]["wins"] == 4 and s["probe"]["vs_edge"]["losses"] == 0
@@ -104,8 +134,13 @@ def test_summary_counts_paired_wins_and_the_report_names_sources_below_head_inde
     text = report.agnostic_section(doc)
     assert "| m | `probe`: a generic question + its draft | 4 | 0.150 | 1.00x | 2-2 (p 1.000) | 4-0 (p 0.125) |" in text
     assert "| m | `head-independent`: its own selection (the union) | 4 | 0.175 | 1.80x |  | 2-1 (p 1.000) |" in text   # a tie at 0.2
-    assert text.rstrip().endswith("at the exact budget: m probe.")       # edge's 0.2 is not below 0.175
+    # edge's 0.2 is not below 0.175; the answer's bound is, but a bound is never named there
+    assert "of the scores that exist when the eviction runs: m probe. The bounds" in text
+    assert text.rstrip().endswith("head-independent eviction: m answer 0.050 (lower than 0.175).")
     for r in rows:
         if r["scores"] == "probe":
             r["kl_mean"] = 0.3
-    assert report.agnostic_section({**doc, "data": {"summary": A.summary(rows)}}).rstrip().endswith(": none.")
+        if r["scores"] == "answer":
+            r["kl_mean"] = 0.2
+    text = report.agnostic_section({**doc, "data": {"summary": A.summary(rows)}})
+    assert "eviction runs: none." in text and text.rstrip().endswith("m answer 0.200 (not lower than 0.175).")
