@@ -181,3 +181,54 @@ def test_page_scores_sum_and_max_on_partial_last_page():
     assert page_scores(S, 4).tolist() == [[6, 22, 17]]
     assert page_scores(S, 4, "max").tolist() == [[3, 7, 9]]
     assert select_pages(np.array([[1.0, 5.0, 5.0, 0.0]]), 2, [0]).tolist() == [[0, 1]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 12), n_pages=st.integers(1, 40), chunk=st.sampled_from([1, 7, 64, 1 << 18]),
+       masked=st.booleans(), data=st.data())
+def test_select_pages_matches_a_sort_and_does_not_depend_on_its_row_chunks(rows, n_pages, chunk, masked, data):
+    """Per row: the protected pages, then the rest by (score descending, page ascending), the
+    first N, sorted; with ``available`` only the pages a row holds. Many ties (scores 0-3)."""
+    import entrokv_edge.controller.pages as pages_mod
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    pi = rng.integers(0, 4, size=(rows, n_pages)).astype(float)
+    prot = sorted(set(rng.integers(0, n_pages, size=rng.integers(0, 3)).tolist()))
+    N = data.draw(st.integers(len(prot), n_pages))
+    avail = None
+    if masked:
+        avail = rng.random((rows, n_pages)) < 0.8
+        avail[:, prot] = True
+        short = avail.sum(axis=-1) < N
+        avail[short] = True                      # every row can still keep N
+    saved, pages_mod._ROWS_CHUNK = pages_mod._ROWS_CHUNK, chunk
+    try:
+        got = select_pages(pi, N, prot, avail)
+    finally:
+        pages_mod._ROWS_CHUNK = saved
+    assert got.shape == (rows, N) and got.dtype == np.int32
+    for i in range(rows):
+        free = [j for j in range(n_pages) if j not in prot and (avail is None or avail[i, j])]
+        free.sort(key=lambda j: (-pi[i, j], j))
+        assert got[i].tolist() == sorted(prot + free[: N - len(prot)])
+
+
+def test_select_pages_ranks_nan_scores_last():
+    pi = np.array([[np.nan, 1.0, np.nan, 3.0, 2.0]])
+    assert select_pages(pi, 3, []).tolist() == [[1, 3, 4]]
+    assert select_pages(pi, 4, [2]).tolist() == [[1, 2, 3, 4]]
+    assert select_pages(pi, 5, []).tolist() == [[0, 1, 2, 3, 4]]
+
+
+def test_head_pages_are_each_head_alone_whatever_the_policy_protects():
+    """The UOR replay (Selection.head_pages) is each head's own top-N with the sinks and the
+    recent pages protected, not the consensus pages a policy protects on top."""
+    rng = np.random.default_rng(5)
+    s = rng.random((2, 6, 300)) ** 6
+    base = dict(budget=0.2, page_size=4, window=16, policy="entrokv-edge")
+    plain = select(s, 3, EvictionConfig(**base, consensus=0.0))
+    cons = select(s, 3, EvictionConfig(**base, consensus=0.5))
+    assert not np.array_equal(plain.pages, cons.pages)
+    np.testing.assert_array_equal(cons.head_pages, plain.head_pages)
+    cfg = EvictionConfig(**base)
+    st_ = head_stats(s, cfg.sinks, cfg.page_size)
+    np.testing.assert_array_equal(plain.head_pages, select_pages(head_page_dist(st_), plain.n_budget, cfg.protected(300)))

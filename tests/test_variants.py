@@ -12,8 +12,8 @@ from entrokv_edge import EvictionConfig
 from entrokv_edge.controller.config import EDGE_DEFAULTS, EDGE_OPTIONS, OFF
 from entrokv_edge.controller import select
 from entrokv_edge.controller import policies
-from entrokv_edge.controller.policies import consensus_pages, evictable_collision, group_pool, max_pool, pooled_stats
-from entrokv_edge.controller.stats import head_stats
+from entrokv_edge.controller.policies import consensus_pages, evictable_collision, group_pool, max_pool, pooled_page_dist
+from entrokv_edge.controller.stats import head_page_dist, head_stats
 
 EDGE_OFF = dict(policy="entrokv-edge", **{k: OFF[k] for k in EDGE_OPTIONS})     # every option off
 
@@ -114,29 +114,29 @@ def test_max_pool_is_the_window_maximum(n, k, spread, decay, chunk, seed):
             assert np.array_equal(out[..., i], want)
 
 
-def _whole_pooled_stats(s, cfg, fixed):
-    """The pooled scores' statistics the plain way: all of s pooled, then head_stats."""
-    return head_stats(max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay), cfg.sinks, cfg.page_size)
+def _whole_pooled_page_dist(s, cfg, fixed, isolated=True):
+    """The pooled scores' page distributions the plain way: all of s pooled, then head_stats."""
+    return head_page_dist(head_stats(max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay), cfg.sinks, cfg.page_size),
+                          isolated)
 
 
 @settings(max_examples=60, deadline=None)
 @given(L=st.integers(1, 4), n=st.integers(1, 200), P=st.sampled_from([1, 4, 16]), pool=st.sampled_from([0, 3, 7]),
        spread=st.integers(0, 30), decay=st.sampled_from([1.0, 0.85]), sinks=st.integers(0, 6),
-       f32=st.booleans(), seed=st.integers(0, 999))
-def test_pooled_stats_layer_by_layer_equal_the_stats_of_the_pooled_scores(L, n, P, pool, spread, decay, sinks, f32,
-                                                                           seed):
+       f32=st.booleans(), isolated=st.booleans(), seed=st.integers(0, 999))
+def test_pooled_page_dist_layer_by_layer_equals_that_of_the_pooled_scores(L, n, P, pool, spread, decay, sinks, f32,
+                                                                          isolated, seed):
     """select's memory-lean path (one layer pooled at a time) gives what pooling all of s,
-    then taking its statistics, gives (to the last bits a BLAS sum over fewer rows may change)."""
+    then taking its page distributions, gives (to the last bits a BLAS sum over fewer rows may change)."""
     rng = np.random.default_rng(seed)
     s = rng.random((L, 6, n)) ** 4
     s = s.astype(np.float32) if f32 else s
     fixed = rng.random(n) < 0.1
     cfg = EvictionConfig(policy="entrokv-edge", page_size=P, window=1, recent=1, sinks=sinks, pool=pool,
                          spread=spread, decay=decay)
-    got, want = pooled_stats(s, cfg, fixed), _whole_pooled_stats(s, cfg, fixed)
-    for f in dataclasses.fields(want):
-        np.testing.assert_allclose(getattr(got, f.name), getattr(want, f.name), rtol=1e-13, atol=1e-300,
-                                   err_msg=f.name)
+    got, want = pooled_page_dist(s, cfg, fixed, isolated), _whole_pooled_page_dist(s, cfg, fixed, isolated)
+    assert got.shape == want.shape == (L, 6, -(-n // P))
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-300)
 
 
 @settings(max_examples=60, deadline=None)
@@ -149,11 +149,11 @@ def test_select_keeps_the_same_pages_as_with_the_whole_pooled_copy(n, P, head_po
     cfg = EvictionConfig(budget=0.3, page_size=P, window=16, policy="entrokv-edge", head_pool=head_pool,
                          entropy_region=region, consensus=consensus)
     got = select(s, 3, cfg).pages
-    saved, policies.pooled_stats = policies.pooled_stats, _whole_pooled_stats
+    saved, policies.pooled_page_dist = policies.pooled_page_dist, _whole_pooled_page_dist
     try:
         want = select(s, 3, cfg).pages
     finally:
-        policies.pooled_stats = saved
+        policies.pooled_page_dist = saved
     assert np.array_equal(got, want)
 
 

@@ -17,32 +17,45 @@ def page_scores(S: np.ndarray, P: int, mode: str = "sum") -> np.ndarray:
     return x.sum(axis=-1) if mode == "sum" else x.max(axis=-1)
 
 
+_ROWS_CHUNK = 1 << 18      # float64 elements select_pages works on at once (2 MiB): its copies stay small
+
+
 def select_pages(pi: np.ndarray, N: int, protected, available: np.ndarray | None = None) -> np.ndarray:
     """int32 [..., N], ascending: the protected pages plus the highest-scoring others,
     ties broken by lower page index. Every row keeps exactly N pages. ``available``
     (bool, broadcastable to pi) limits each row to the pages it still holds.
 
     O(n_pages) per row: a partition finds the N-th largest key; pages above it are kept,
-    and of the pages equal to it, the lowest-indexed fill the rest."""
+    and of the pages equal to it, the lowest-indexed fill the rest. Works on a few rows at a
+    time: besides the result, memory stays within a few chunks of _ROWS_CHUNK elements."""
     n_pages = pi.shape[-1]
     prot = np.zeros(n_pages, dtype=bool)
     prot[list(protected)] = True
     if N < prot.sum() or N > n_pages:
         raise ValueError(f"cannot keep {N} pages: {int(prot.sum())} are protected, {n_pages} exist")
+    lead = pi.shape[:-1]
     if N == 0:
-        return np.zeros((*pi.shape[:-1], 0), dtype=np.int32)
-    key = np.where(prot, np.inf, np.asarray(pi, dtype=np.float64))
+        return np.zeros((*lead, 0), dtype=np.int32)
+    rows = np.asarray(pi).reshape(-1, n_pages)
+    avail = None
     if available is not None:
-        avail = np.broadcast_to(available, key.shape)
+        avail = np.broadcast_to(available, pi.shape).reshape(-1, n_pages)
         if (avail.sum(axis=-1) < N).any():
             raise ValueError(f"cannot keep {N} pages: some rows hold fewer")
-        key = np.where(avail, key, -np.inf)
-    kth = -np.partition(-key, N - 1, axis=-1)[..., N - 1: N]        # the N-th largest key per row
-    above = key > kth
-    tie = key == kth
-    need = N - above.sum(axis=-1, keepdims=True)
-    keep = above | (tie & (np.cumsum(tie, axis=-1) <= need))
-    return np.nonzero(keep)[-1].reshape(*pi.shape[:-1], N).astype(np.int32)
+    out = np.empty((rows.shape[0], N), dtype=np.int32)
+    step = max(1, _ROWS_CHUNK // n_pages)
+    for a in range(0, rows.shape[0], step):
+        key = np.where(prot, np.inf, np.asarray(rows[a: a + step], dtype=np.float64))
+        key[np.isnan(key)] = -np.inf
+        if avail is not None:
+            key[~avail[a: a + step]] = -np.inf
+        kth = np.partition(key, n_pages - N, axis=-1)[:, n_pages - N: n_pages - N + 1]   # the N-th largest per row
+        above = key > kth
+        tie = key == kth
+        need = N - above.sum(axis=-1, keepdims=True)
+        keep = above | (tie & (np.cumsum(tie, axis=-1) <= need))
+        out[a: a + step] = np.nonzero(keep)[1].reshape(-1, N)
+    return out.reshape(*lead, N)
 
 
 def pages_to_positions(pages: np.ndarray, P: int, n: int) -> np.ndarray:

@@ -10,36 +10,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable
-
 import numpy as np
 
 from .config import EvictionConfig
 from .pages import page_scores, select_pages
-from .stats import HeadStats, head_page_dist, head_stats
+from .stats import HeadSummary, head_page_dist, head_stats
 from .weights import head_weights, pool
 
 
 @dataclass
 class Selection:
     """pages int32 [L, G, N'] (ascending page indices per group), n_budget = N, weights
-    [L, H] where the policy has them, the per-head statistics they came from, and
-    ``head_pages`` int32 [L, H, N]: each query
-    head's own top-N pages (the head-independent replay behind the UOR metrics),
-    computed on first use."""
+    [L, H] where the policy has them, the per-head statistics [L, H] they came from, and
+    ``head_pages`` int32 [L, H, N]: each query head's own top-N pages (the head-independent
+    replay behind the UOR metrics)."""
 
     pages: np.ndarray
     n_budget: int
     weights: np.ndarray | None
-    stats: HeadStats = field(repr=False)
-    _heads: Callable[[], np.ndarray] = field(repr=False)
-    _head_pages: np.ndarray | None = field(default=None, repr=False)
-
-    @property
-    def head_pages(self) -> np.ndarray:
-        if self._head_pages is None:
-            self._head_pages = self._heads()
-        return self._head_pages
+    stats: HeadSummary = field(repr=False)
+    head_pages: np.ndarray = field(repr=False)
 
 
 def _token_page_max(x: np.ndarray, P: int) -> np.ndarray:
@@ -88,21 +78,18 @@ def _max_pool_rows(s: np.ndarray, h: int, fixed, spread: int, decay: float) -> n
     return out
 
 
-def pooled_stats(s: np.ndarray, cfg: EvictionConfig, fixed: np.ndarray | None) -> HeadStats:
-    """head_stats of max_pool(s) [L, H, n], one layer at a time: the pooled scores never
-    exist whole (a copy of s per eviction, 34 MiB for SmolLM2 at 16k positions)."""
-    out = {}
+def pooled_page_dist(s: np.ndarray, cfg: EvictionConfig, fixed: np.ndarray | None, isolated: bool = True) -> np.ndarray:
+    """[L, H, n_pages]: head_page_dist of max_pool(s) [L, H, n], one layer at a time: the
+    pooled scores and their page sums never exist whole (a copy of s per eviction, 34 MiB for
+    SmolLM2 at 16k positions)."""
+    out = None
     for l in range(s.shape[0]):
         st = head_stats(max_pool(s[l: l + 1], cfg.pool, fixed, cfg.spread, cfg.decay), cfg.sinks, cfg.page_size)
-        for f in dataclasses.fields(HeadStats):
-            x = getattr(st, f.name)
-            if f.name == "uniform_pages":      # the same for every layer
-                out[f.name] = x
-                continue
-            if f.name not in out:
-                out[f.name] = np.empty((s.shape[0], *x.shape[1:]), dtype=x.dtype)
-            out[f.name][l] = x[0]
-    return HeadStats(**out)
+        x = head_page_dist(st, isolated)
+        if out is None:
+            out = np.empty((s.shape[0], *x.shape[1:]), dtype=x.dtype)
+        out[l] = x[0]
+    return out
 
 
 def evictable_collision(s: np.ndarray, region: np.ndarray) -> np.ndarray:
@@ -123,20 +110,21 @@ def group_pool(hd: np.ndarray, how: str, protected=()) -> np.ndarray:
     hd [L, G, r, n_pages]. "max": the largest share any head gives the page. "rank": the
     best rank any head gives the page among the unprotected ones (every head's first
     choice, then every head's second, ...: the head-independent union, cut to the budget),
-    ties broken by the max share."""
+    ties broken by the max share. One layer at a time (the sort's copies stay small)."""
     mx = hd.max(axis=2)
     if how == "max":
         return mx
-    n_pages = hd.shape[-1]
-    key = np.negative(hd, dtype=np.float64)          # ascending order of -share: best page first
-    key[..., list(protected)] = np.inf
-    order = np.argsort(key, axis=-1, kind="stable")
-    del key
-    rank = np.empty(order.shape, dtype=np.int32)
-    np.put_along_axis(rank, order, np.arange(n_pages, dtype=np.int32), axis=-1)
-    del order
-    best = rank.min(axis=2).astype(np.float64)
-    return -best + 0.5 * mx / (mx.max(axis=-1, keepdims=True) + 1e-300)
+    L, G, r, n_pages = hd.shape
+    out = np.empty((L, G, n_pages), dtype=np.float64)
+    ranks = np.arange(n_pages, dtype=np.int32)
+    for l in range(L):
+        key = np.negative(hd[l], dtype=np.float64)      # ascending order of -share: best page first
+        key[..., list(protected)] = np.inf
+        order = np.argsort(key, axis=-1, kind="stable")
+        rank = np.empty(order.shape, dtype=np.int32)
+        np.put_along_axis(rank, order, np.broadcast_to(ranks, order.shape), axis=-1)
+        out[l] = -rank.min(axis=1)
+    return out + 0.5 * mx / (mx.max(axis=-1, keepdims=True) + 1e-300)
 
 
 def consensus_pages(pi: np.ndarray, m: int, protected, available: np.ndarray | None = None) -> list[int]:
@@ -201,21 +189,10 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     n_pages = cfg.n_pages(n)
     avail_heads = None if available is None else np.repeat(available, r, axis=1)
     st = head_stats(s, cfg.sinks, P)
+    summary = st.summary()
     k = min(cfg.sinks, n)
-    # entrokv-edge's pooling: pages are scored from the pooled scores, the weights from the raw ones
-    fixed = None
-    smooth = cfg.pool > 1 or cfg.spread > 0
-    if smooth or cfg.entropy_region == "evictable":
-        fixed = np.zeros(n_s, dtype=bool)             # keys every buffer keeps: the protected pages (sinks included)
-        for j in prot:
-            fixed[j * P: (j + 1) * P] = True
-    if smooth and mode == "sum":  # page sums need only the pooled scores' statistics: layer by layer
-        s_proj, st_proj = None, pooled_stats(s, cfg, fixed)
-    else:
-        s_proj = max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay) if smooth else s
-        st_proj = head_stats(s_proj, cfg.sinks, P) if smooth else st
 
-    def token_dist(isolated: bool, x: np.ndarray = s, xs: HeadStats = st) -> np.ndarray:
+    def token_dist(isolated: bool, x: np.ndarray, xs) -> np.ndarray:
         """[L, H, n] head distributions of x (only the max page score needs them)."""
         if not isolated:
             return x / np.where(xs.mass_all > 0, xs.mass_all, 1.0)[..., None]
@@ -225,11 +202,37 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
             p[xs.flagged] = np.where(np.arange(n) < k, 0.0, 1.0 / max(n - k, 1))
         return p
 
-    def heads() -> np.ndarray:
-        own = head_page_dist(st) if mode == "sum" else _token_page_max(token_dist(True), P)
-        return select_pages(own, N, prot, avail_heads)
+    # each query head's own top-N pages (the head-independent replay behind the UOR metrics, and that
+    # policy's union), taken first: the raw scores' page sums can then go before pooled ones are made
+    own = head_page_dist(st) if mode == "sum" else _token_page_max(token_dist(True, s, st), P)
+    head_pages = select_pages(own, N, prot, avail_heads)
+    mean = None
+    if cfg.policy == "head-independent":
+        mean = np.einsum("lgrp->lgp", (own if mode == "sum" else head_page_dist(st)).reshape(L, G, r, n_pages)) / r
+    del own
+    # entrokv-edge's pooling: pages are scored from the pooled scores, the weights from the raw ones
+    fixed = None
+    smooth = cfg.pool > 1 or cfg.spread > 0
+    if smooth or cfg.entropy_region == "evictable":
+        fixed = np.zeros(n_s, dtype=bool)             # keys every buffer keeps: the protected pages (sinks included)
+        for j in prot:
+            fixed[j * P: (j + 1) * P] = True
+    if smooth:
+        st = None                                     # from here the pooled scores' sums stand in for the raw ones
 
-    w, head_pages = None, None
+    def page_dist(isolated: bool) -> np.ndarray:
+        """[L, H, n_pages]: each head's distribution of the (pooled) scores summed per page; pooled
+        one layer at a time."""
+        return pooled_page_dist(s, cfg, fixed, isolated) if smooth else head_page_dist(st, isolated)
+
+    def proj_token_dist(isolated: bool) -> np.ndarray:
+        """[L, H, n]: token_dist of the (pooled) scores."""
+        if not smooth:
+            return token_dist(isolated, s, st)
+        x = max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay)
+        return token_dist(isolated, x, head_stats(x, cfg.sinks, P))
+
+    w = None
     if cfg.policy == "full":
         if available is not None and not available.all():
             raise ValueError("the full policy cannot run on a cache that was already evicted")
@@ -239,20 +242,18 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     elif cfg.policy in ("page-entrokv", "no-isolation", "mean-pool", "entrokv-edge"):
         isolated = cfg.policy != "no-isolation"
         if cfg.head_pool == "entropy":      # weights only where a weighted sum uses them
-            c = st.c_iso if isolated else st.c_all
+            c = summary.c_iso if isolated else summary.c_all
             if cfg.entropy_region == "evictable":
                 c = evictable_collision(s, ~fixed)
             w = np.full((L, H), 1.0 / r) if cfg.policy == "mean-pool" else head_weights(c, r, cfg.tau)
         if cfg.head_pool != "entropy":      # entrokv-edge: the group's heads pooled by max or by rank
-            hd = head_page_dist(st_proj, isolated) if mode == "sum" else \
-                _token_page_max(token_dist(isolated, s_proj, st_proj), P)
-            s_proj = st_proj = None         # only hd is needed from here: free their memory first
+            hd = page_dist(isolated) if mode == "sum" else _token_page_max(proj_token_dist(isolated), P)
             pi = group_pool(hd.reshape(L, G, r, n_pages), cfg.head_pool, prot)
+            del hd
         elif mode == "sum":
-            pi = np.einsum("lgrp,lgr->lgp", head_page_dist(st_proj, isolated).reshape(L, G, r, n_pages),
-                           w.reshape(L, G, r))
+            pi = np.einsum("lgrp,lgr->lgp", page_dist(isolated).reshape(L, G, r, n_pages), w.reshape(L, G, r))
         else:
-            pi = _token_page_max(pool(token_dist(isolated, s_proj, st_proj), w, r), P)
+            pi = _token_page_max(pool(proj_token_dist(isolated), w, r), P)
         if cfg.consensus > 0:
             m = math.floor(cfg.consensus * (N - len(prot)) + 1e-9)
             prot = sorted(set(prot) | set(consensus_pages(pi, m, prot, available)))
@@ -260,12 +261,10 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     elif cfg.policy == "max-pool":
         pages = select_pages(page_scores(s.reshape(L, G, r, n_s).max(axis=2), P, mode), N, prot, available)
     elif cfg.policy == "head-independent":
-        mean = np.einsum("lgrp->lgp", head_page_dist(st).reshape(L, G, r, n_pages)) / r
-        head_pages = heads()
         pages = union_padded(head_pages, mean if available is None else np.where(available, mean, -np.inf))
     else:  # guarded by EvictionConfig
         raise ValueError(cfg.policy)
-    return Selection(pages=pages, n_budget=N, weights=w, stats=st, _heads=heads, _head_pages=head_pages)
+    return Selection(pages=pages, n_budget=N, weights=w, stats=summary, head_pages=head_pages)
 
 
 def union_padded(heads: np.ndarray, score: np.ndarray) -> np.ndarray:

@@ -27,6 +27,21 @@ class HeadStats:
     flagged: np.ndarray
     uniform_pages: np.ndarray  # [n_pages]: page sums of the uniform non-sink distribution
 
+    def summary(self) -> "HeadSummary":
+        """The [L, H] statistics alone (what outlives a selection)."""
+        return HeadSummary(self.mass_iso, self.mass_all, self.c_iso, self.c_all, self.flagged)
+
+
+@dataclass
+class HeadSummary:
+    """HeadStats without its page sums: mass_iso / mass_all, c_iso / c_all, flagged, all [L, H]."""
+
+    mass_iso: np.ndarray
+    mass_all: np.ndarray
+    c_iso: np.ndarray
+    c_all: np.ndarray
+    flagged: np.ndarray
+
 
 def _page_sums(s: np.ndarray, P: int) -> np.ndarray:
     """[L, H, n_pages] float64 page sums of s [L, H, n] (float64); the last page may be partial."""
