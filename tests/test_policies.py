@@ -217,6 +217,17 @@ def test_select_pages_ranks_nan_scores_last():
     assert select_pages(pi, 3, []).tolist() == [[1, 3, 4]]
     assert select_pages(pi, 4, [2]).tolist() == [[1, 2, 3, 4]]
     assert select_pages(pi, 5, []).tolist() == [[0, 1, 2, 3, 4]]
+    held = np.array([[False, True, True, True, True]])                  # a NaN page held beats one the row lacks
+    assert select_pages(np.array([[5.0, 1.0, np.nan, 2.0, 3.0]]), 4, [], held).tolist() == [[1, 2, 3, 4]]
+
+
+def test_full_policy_refuses_an_evicted_cache_with_its_own_message():
+    cfg = EvictionConfig(budget=1.0, page_size=4, window=8, policy="full")
+    avail = np.ones((1, 2, 25), dtype=bool)
+    avail[0, 1, 10] = False
+    with pytest.raises(ValueError, match="full policy cannot run on a cache that was already evicted"):
+        select(np.random.default_rng(0).random((1, 4, 100)), 2, cfg, available=avail)
+    assert select(np.ones((1, 4, 100)), 2, cfg).pages.shape == (1, 2, 25)
 
 
 def test_head_pages_are_each_head_alone_whatever_the_policy_protects():

@@ -23,7 +23,8 @@ _ROWS_CHUNK = 1 << 18      # float64 elements select_pages works on at once (2 M
 def select_pages(pi: np.ndarray, N: int, protected, available: np.ndarray | None = None) -> np.ndarray:
     """int32 [..., N], ascending: the protected pages plus the highest-scoring others,
     ties broken by lower page index. Every row keeps exactly N pages. ``available``
-    (bool, broadcastable to pi) limits each row to the pages it still holds.
+    (bool, broadcastable to pi) limits each row to the pages it still holds. NaN scores rank
+    below every other score of the pages a row holds.
 
     O(n_pages) per row: a partition finds the N-th largest key; pages above it are kept,
     and of the pages equal to it, the lowest-indexed fill the rest. Works on a few rows at a
@@ -46,7 +47,7 @@ def select_pages(pi: np.ndarray, N: int, protected, available: np.ndarray | None
     step = max(1, _ROWS_CHUNK // n_pages)
     for a in range(0, rows.shape[0], step):
         key = np.where(prot, np.inf, np.asarray(rows[a: a + step], dtype=np.float64))
-        key[np.isnan(key)] = -np.inf
+        key[np.isnan(key)] = -np.finfo(np.float64).max      # below every score, above the pages a row lacks
         if avail is not None:
             key[~avail[a: a + step]] = -np.inf
         kth = np.partition(key, n_pages - N, axis=-1)[:, n_pages - N: n_pages - N + 1]   # the N-th largest per row

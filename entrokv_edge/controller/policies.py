@@ -7,7 +7,6 @@ which keeps the union of its heads' choices padded to the largest union.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 import numpy as np
@@ -187,6 +186,8 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     N = cfg.budget_pages(n) if n_keep is None else n_keep
     prot = cfg.protected(n)
     n_pages = cfg.n_pages(n)
+    if cfg.policy == "full" and available is not None and not available.all():
+        raise ValueError("the full policy cannot run on a cache that was already evicted")
     avail_heads = None if available is None else np.repeat(available, r, axis=1)
     st = head_stats(s, cfg.sinks, P)
     summary = st.summary()
@@ -234,8 +235,6 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
 
     w = None
     if cfg.policy == "full":
-        if available is not None and not available.all():
-            raise ValueError("the full policy cannot run on a cache that was already evicted")
         pages = np.broadcast_to(np.arange(n_pages, dtype=np.int32), (L, G, n_pages)).copy()
     elif cfg.policy == "streaming":
         pages = select_pages(np.broadcast_to(np.arange(n_pages, dtype=np.float64), (L, G, n_pages)), N, prot, available)
