@@ -102,3 +102,39 @@ def test_head_metrics_match_the_token_level_definitions(synth_models):
     np.testing.assert_allclose(m["weights"], head_weights(c, 3), rtol=1e-9)
     np.testing.assert_allclose(m["sink_mass"], sink_mass(sc, 4), rtol=1e-9, atol=1e-15)
     np.testing.assert_allclose(m["masquerade_ratio"], masquerade_ratio(sc, 4, 3), rtol=1e-9)
+
+
+def test_scores_by_position_against_a_cell_by_cell_reference():
+    """Window scores moved from the cells they were observed on to true positions, per (layer,
+    query head): a position the head's buffer holds gets its observed score (the last cell
+    listing it), a held position never observed the mean of the head's observed held ones,
+    every other position 0; and which positions each group still holds. Random cells, some
+    empty, observations that saw other (and later) positions, duplicates."""
+    from types import SimpleNamespace
+    from entrokv_edge.controller.controller import PageEntroKV
+    rng = np.random.default_rng(11)
+    for _ in range(60):
+        L, G, r = (int(x) for x in rng.integers(1, 4, size=3))
+        H, n, kv = G * r, int(rng.integers(5, 120)), int(rng.integers(4, 90))
+        tp_now = np.full((L * G, kv), -1, np.int32)
+        for si in range(L * G):
+            m = min(kv, n, int(rng.integers(1, kv + 1)))
+            tp_now[si, rng.permutation(kv)[:m]] = rng.choice(n, m, replace=False)
+        n_kv = int(rng.integers(1, kv + 1))
+        tp_obs = np.where(rng.random((L * G, n_kv)) < 0.8, rng.integers(-1, n + 3, (L * G, n_kv)), -1).astype(np.int32)
+        obs = SimpleNamespace(true_pos=tp_obs, scores=rng.random((L, H, n_kv)))
+        s, present = PageEntroKV._scores_by_position(obs, tp_now, n, L, H, r)
+        assert s.shape == (L, H, n) and present.shape == (L, G, n)
+        for l in range(L):
+            for h in range(H):
+                slot = l * G + h // r
+                held = {int(p) for p in tp_now[slot] if 0 <= p < n}
+                assert present[l, h // r].tolist() == [p in held for p in range(n)]
+                seen = {}
+                for c in range(n_kv):
+                    if 0 <= tp_obs[slot, c] < n:
+                        seen[int(tp_obs[slot, c])] = obs.scores[l, h, c]
+                known = [seen[p] for p in sorted(held) if p in seen]
+                fill = sum(known) / max(len(known), 1)
+                want = [(seen[p] if p in seen else fill) if p in held else 0.0 for p in range(n)]
+                np.testing.assert_allclose(s[l, h], want, rtol=1e-12, atol=0)

@@ -243,3 +243,12 @@ def test_head_pages_are_each_head_alone_whatever_the_policy_protects():
     cfg = EvictionConfig(**base)
     st_ = head_stats(s, cfg.sinks, cfg.page_size)
     np.testing.assert_array_equal(plain.head_pages, select_pages(head_page_dist(st_), plain.n_budget, cfg.protected(300)))
+
+
+@given(P=st.integers(1, 16), n=st.integers(1, 200), sinks=st.integers(0, 8), seed=st.integers(0, 999))
+def test_head_stats_without_page_all_equal_those_with_it(P, n, sinks, seed):
+    s = np.random.default_rng(seed).random((2, 3, n)) ** 4
+    full, lean = head_stats(s, sinks, P), head_stats(s, sinks, P, keep_all=False)
+    assert lean.page_all is None and full.page_all.shape == full.page_iso.shape
+    for f in ("page_iso", "mass_iso", "mass_all", "c_iso", "c_all", "flagged", "uniform_pages"):
+        assert np.array_equal(getattr(full, f), getattr(lean, f)), f

@@ -109,24 +109,29 @@ class PageEntroKV:
     @staticmethod
     def _scores_by_position(scores: WindowScores, tp_now: np.ndarray, n: int, L: int, H: int, r: int):
         """Scores [L, H, n] indexed by true position, and the pages [L, G, n_pages]
-        each group still holds."""
+        each group still holds. One layer at a time: besides the result, the temporaries are a
+        layer's."""
         G = H // r
         slot_of = head_slots(L, H, G)                                             # [L, H]
-        tp_obs = scores.true_pos[slot_of]                                         # [L, H, n_kv]
-        ok = (tp_obs >= 0) & (tp_obs < n)
-        li, hi, ci = np.nonzero(ok)
+        present = PageEntroKV._by_position(tp_now, n, tp_now >= 0).reshape(L, G, n)
+        group_of = np.arange(H) // r
         s = np.zeros((L, H, n), dtype=np.float64)
-        s[li, hi, tp_obs[li, hi, ci]] = scores.scores[li, hi, ci]
-        scored = np.zeros((L, H, n), dtype=bool)
-        scored[li, hi, tp_obs[li, hi, ci]] = True
-        present = PageEntroKV._by_position(tp_now, n, tp_now >= 0)              # [L * G, n]
-        present_lh = present.reshape(L, G, n)[:, np.arange(H) // r]              # [L, H, n]
-        unscored = present_lh & ~scored
-        if unscored.any():
-            known = present_lh & scored
-            mean = (s * known).sum(-1) / np.maximum(known.sum(-1), 1)
-            s = np.where(unscored, mean[..., None], s)
-        return np.where(present_lh, s, 0.0), present.reshape(L, G, n)
+        for l in range(L):
+            tp_obs = scores.true_pos[slot_of[l]]                                  # [H, n_kv]
+            hi, ci = np.nonzero((tp_obs >= 0) & (tp_obs < n))
+            at = tp_obs[hi, ci]
+            sl = s[l]
+            sl[hi, at] = scores.scores[l, hi, ci]
+            scored = np.zeros((H, n), dtype=bool)
+            scored[hi, at] = True
+            held = present[l, group_of]                                           # [H, n]
+            unscored = held & ~scored
+            if unscored.any():      # held but never observed: the mean of the head's observed held keys
+                known = held & scored
+                mean = np.where(known, sl, 0.0).sum(-1) / np.maximum(known.sum(-1), 1)
+                sl[unscored] = np.broadcast_to(mean[:, None], sl.shape)[unscored]
+            sl[~held] = 0.0
+        return s, present
 
     @staticmethod
     def _values_by_position(llm, tp_now: np.ndarray | None, n: int, L: int, G: int) -> np.ndarray:

@@ -83,7 +83,8 @@ def pooled_page_dist(s: np.ndarray, cfg: EvictionConfig, fixed: np.ndarray | Non
     SmolLM2 at 16k positions)."""
     out = None
     for l in range(s.shape[0]):
-        st = head_stats(max_pool(s[l: l + 1], cfg.pool, fixed, cfg.spread, cfg.decay), cfg.sinks, cfg.page_size)
+        st = head_stats(max_pool(s[l: l + 1], cfg.pool, fixed, cfg.spread, cfg.decay), cfg.sinks, cfg.page_size,
+                        keep_all=not isolated)
         x = head_page_dist(st, isolated)
         if out is None:
             out = np.empty((s.shape[0], *x.shape[1:]), dtype=x.dtype)
@@ -189,7 +190,7 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     if cfg.policy == "full" and available is not None and not available.all():
         raise ValueError("the full policy cannot run on a cache that was already evicted")
     avail_heads = None if available is None else np.repeat(available, r, axis=1)
-    st = head_stats(s, cfg.sinks, P)
+    st = head_stats(s, cfg.sinks, P, keep_all=cfg.policy == "no-isolation")   # only its page scores use page_all
     summary = st.summary()
     k = min(cfg.sinks, n)
 

@@ -14,12 +14,13 @@ import numpy as np
 
 @dataclass
 class HeadStats:
-    """page_iso / page_all [L, H, n_pages]: page sums of s without / with the sinks;
+    """page_iso / page_all [L, H, n_pages]: page sums of s without / with the sinks (page_all
+    None where head_stats was told not to keep it);
     mass_iso / mass_all [L, H]; c_iso / c_all [L, H]: collision <p, p>; flagged [L, H]:
     heads with no mass outside the sinks (they use the uniform distribution)."""
 
     page_iso: np.ndarray
-    page_all: np.ndarray
+    page_all: np.ndarray | None
     mass_iso: np.ndarray
     mass_all: np.ndarray
     c_iso: np.ndarray
@@ -55,17 +56,21 @@ def _page_sums(s: np.ndarray, P: int) -> np.ndarray:
     return out
 
 
-def head_stats(s: np.ndarray, sinks: int, P: int) -> HeadStats:
-    """Two passes over s [L, H, n] (float32 or float64; accumulated in float64)."""
+def head_stats(s: np.ndarray, sinks: int, P: int, keep_all: bool = True) -> HeadStats:
+    """Two passes over s [L, H, n] (float32 or float64; accumulated in float64). keep_all
+    False: page_all is None (only no-isolation's page scores need it), one [L, H, n_pages]
+    array less."""
     s = np.asarray(s, dtype=np.float64)
     L, H, n = s.shape
     k = min(sinks, n)
     page_all = _page_sums(s, P)
-    page_iso = page_all.copy()
+    mass_all = page_all.sum(axis=-1)
+    page_iso = page_all.copy() if keep_all else page_all
+    if not keep_all:
+        page_all = None
     for j in range(-(-k // P)):  # pages that hold sinks: their sums without the sink tokens
         page_iso[..., j] = s[..., k: min(n, (j + 1) * P)].sum(axis=-1) if (j + 1) * P > k else 0.0
     mass_iso = page_iso.sum(axis=-1)
-    mass_all = page_all.sum(axis=-1)
     sq_iso = np.einsum("lhn,lhn->lh", s[..., k:], s[..., k:])
     sq_all = sq_iso + np.einsum("lhn,lhn->lh", s[..., :k], s[..., :k])
     flagged = mass_iso <= 0.0
