@@ -49,7 +49,7 @@ import numpy as np
 
 import entrokv_edge as ek
 from entrokv_edge.bindings.observe import Observation, WindowScores
-from entrokv_edge.controller.lookahead import _undo, lookahead_scores
+from entrokv_edge.controller.lookahead import lookahead_scores, restore_tail
 from llama_cpp import llama_cpp as C
 
 import _harness as H
@@ -113,7 +113,7 @@ def recon_scores(llm, snap: H.Snapshot, doc: list[int]) -> np.ndarray:
             for c in chunks:
                 llm.eval(c)
     finally:
-        _undo(llm, n, last, strict=True)
+        restore_tail(llm, n, last)
     return acc / cnt
 
 
@@ -128,7 +128,7 @@ def probe_scores(llm, snap: H.Snapshot, k: int, share: float) -> np.ndarray:
             llm.eval(tail)
         s = lookahead_scores(llm, obs.last, k, llm.eval, share=share)
     finally:
-        _undo(llm, n, last, strict=True)
+        restore_tail(llm, n, last)
     return np.asarray(s.scores[:, :, :n], dtype=np.float64)
 
 
@@ -145,7 +145,7 @@ def seen_scores(llm, snap: H.Snapshot, tokens: list[int]) -> np.ndarray:
         with Observation(llm, len(tokens)) as obs:
             llm.eval(tokens)
     finally:
-        _undo(llm, n, last, strict=True)
+        restore_tail(llm, n, last)
     return np.asarray(obs.last.scores[:, :, :n], dtype=np.float64)
 
 

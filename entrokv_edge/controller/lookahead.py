@@ -76,9 +76,9 @@ def lookahead_scores(llm, scores: WindowScores, k: int, eval_tokens: Callable[[l
         finally:
             obs.stop()
     except BaseException:
-        _undo(llm, n, last, strict=False)      # the draft's own error is the one to see
+        restore_tail(llm, n, last, strict=False)      # the draft's own error is the one to see
         raise
-    _undo(llm, n, last, strict=True)
+    restore_tail(llm, n, last)
     if stats is not None:
         stats["drafted"] = len(drafted)
     if not drafted:
@@ -105,8 +105,11 @@ def draft_room(llm, g: KVGeometry) -> int:
     return max(free, 0)
 
 
-def _undo(llm, n: int, last: np.ndarray, strict: bool) -> None:
-    """The cache, the token count and the last logits as before the draft."""
+def restore_tail(llm, n: int, last: np.ndarray, strict: bool = True) -> None:
+    """Undo tokens evaluated after the first ``n`` (a draft, or a probe of the cache): they
+    leave the cache, the token count is ``n`` again and ``last`` [n_vocab] the last logits.
+    ``strict``: raise if llama.cpp refuses to remove them (False: while another error is
+    on its way)."""
     set_last_logits(llm, last)
     ok = llm._ctx.kv_cache_seq_rm(-1, n, -1)
     llm.n_tokens = n
