@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import entrokv_edge as ek
+from entrokv_edge.controller.lookahead import restore_tail
 from llama_cpp import llama_cpp as C
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -153,6 +154,21 @@ def observe(llm, tokens: list[int], window: int) -> ek.WindowScores:
     with ek.Observation(llm, window) as obs:
         llm.eval(tokens[-window:])
     return obs.last
+
+
+def seen_scores(llm, snap: Snapshot, tokens: list[int]) -> np.ndarray:
+    """float64 [L, H, n_kv]: the attention of ``tokens`` on ``snap``'s cells, the tokens evaluated
+    after its prompt as one observed window (every token a window query). The cache is
+    ``snap``'s when it returns."""
+    most = min(llm.n_batch, llm.context_params.n_ubatch)
+    if not tokens or len(tokens) > most:
+        raise ValueError(f"{len(tokens)} tokens: one observed window holds 1..{most}")
+    restore(llm, snap)
+    try:
+        seen = observe(llm, tokens, len(tokens))
+    finally:
+        restore_tail(llm, snap.n_tokens, snap.logits)
+    return np.asarray(seen.scores[:, :, : snap.scores.scores.shape[-1]], dtype=np.float64)
 
 
 def prefill(llm, p: Prompt, window: int = 32) -> dict[str, Snapshot]:

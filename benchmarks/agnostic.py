@@ -24,8 +24,8 @@ and the full cache's greedy answer is teacher-forced as in benchmarks/fidelity.p
            share and length as entrokv-edge's lookahead), then removed
   mix      chunks, recon and probe together: the mean of the three, each head's scores
            normalized to sum 1 first (the sources see different queries)
-two bounds, from what does not exist yet when the eviction runs (BOUNDS: never a policy,
-they say where the gap lies):
+two bounds, from what does not exist yet when the eviction runs (report.AGNOSTIC_BOUNDS: never
+a policy, they say where the gap lies):
   question the real question (the prompt's suffix in chat form) evaluated after the document,
            all its tokens one observed window, then removed: scores a store of the evicted
            pages could at best recall by once the question arrives
@@ -54,7 +54,7 @@ from llama_cpp import llama_cpp as C
 
 import _harness as H
 import fidelity as F
-from report import AGNOSTIC_BOUNDS as BOUNDS, _pairs, sign_test  # noqa: F401 (BOUNDS: the docstring's)
+from report import _pairs, sign_test
 
 SOURCES = ("window", "edge", "chunks", "recon", "probe", "mix", "question", "answer", "head-independent")
 REPEAT = "\n\nRepeat the previous text exactly.\n\n"
@@ -132,23 +132,6 @@ def probe_scores(llm, snap: H.Snapshot, k: int, share: float) -> np.ndarray:
     return np.asarray(s.scores[:, :, :n], dtype=np.float64)
 
 
-def seen_scores(llm, snap: H.Snapshot, tokens: list[int]) -> np.ndarray:
-    """[L, H, n]: the attention of ``tokens``, evaluated after the prompt as one observed
-    window (every token a window query), on the prompt's keys; the cache is as before when
-    it returns."""
-    n = snap.n_tokens
-    last = H.logits(llm)
-    most = min(llm.n_batch, llm.context_params.n_ubatch)
-    if not tokens or len(tokens) > most:
-        raise ValueError(f"{len(tokens)} tokens: one observed window holds 1..{most}")
-    try:
-        with Observation(llm, len(tokens)) as obs:
-            llm.eval(tokens)
-    finally:
-        restore_tail(llm, n, last)
-    return np.asarray(obs.last.scores[:, :, :n], dtype=np.float64)
-
-
 def _unit(x: np.ndarray) -> np.ndarray:
     t = x.sum(axis=-1, keepdims=True)
     return x / np.where(t > 0, t, 1.0)
@@ -182,8 +165,8 @@ def run(models, length, n_qa, n_code, tokens, log=print) -> list[dict]:
             edge = ek.EvictionConfig(budget=BUDGET)
             probe = probe_scores(llm, snap, edge.lookahead, edge.lookahead_share)
             mix = (_unit(tails) + _unit(recon) + _unit(probe)) / 3
-            question = seen_scores(llm, snap, p.suffix)
-            answer = seen_scores(llm, snap, p.suffix + ref)
+            question = H.seen_scores(llm, snap, p.suffix)
+            answer = H.seen_scores(llm, snap, p.suffix + ref)
             own = ek.EvictionConfig(budget=BUDGET, lookahead=0)
             cases = {"window": (own, None), "edge": (edge, None), "chunks": (own, tails), "recon": (own, recon),
                      "probe": (own, probe), "mix": (own, mix), "question": (own, question), "answer": (own, answer),

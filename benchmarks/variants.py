@@ -376,10 +376,8 @@ def decode(llm, first: np.ndarray, n: int, stop: set[int]):
 def answer_scores(llm, snap: H.Snapshot, ref: list[int]) -> ek.WindowScores:
     """The oracle's scores: the mean attention of the answer ``ref``'s queries (evaluated as
     one observed ubatch after ``snap``'s prompt, with the whole cache) on the prompt's cells."""
-    H.restore(llm, snap)
-    answer = H.observe(llm, ref, len(ref))
-    s, n = snap.scores, snap.scores.scores.shape[-1]
-    return ek.WindowScores(answer.scores[:, :, :n], s.true_pos, s.layer_ids, len(ref), s.n_tokens, s.pos_last)
+    s = snap.scores
+    return ek.WindowScores(H.seen_scores(llm, snap, ref), s.true_pos, s.layer_ids, len(ref), s.n_tokens, s.pos_last)
 
 
 def run_case(llm, p: H.Prompt, check, configs: dict, budget: float, max_answer: int, stop,

@@ -76,7 +76,7 @@ def test_recon_and_probe_leave_the_cache_as_it_was(llm, prompt):
         np.testing.assert_array_equal(H.logits(llm), snap.logits)
 
 
-def test_seen_scores_average_the_window_over_its_queries_and_leave_the_cache(llm, prompt):
+def test_harness_seen_scores_average_the_window_over_its_queries_and_leave_the_cache(llm, prompt):
     """The question's window is the first part of the question + answer window: causal attention
     gives its queries the same rows in both, so (q + a) x answer - q x question is the answer
     queries' attention: >= 0 everywhere, and per head at most a x 1 on the prompt's keys."""
@@ -85,9 +85,9 @@ def test_seen_scores_average_the_window_over_its_queries_and_leave_the_cache(llm
     a = H.greedy(llm, _first(llm, snap, q), 12, H.stop_tokens(llm))
     assert len(a) >= 4
     H.restore(llm, snap)
-    sq = A.seen_scores(llm, snap, q)
+    sq = H.seen_scores(llm, snap, q)
     assert llm.n_tokens == snap.n_tokens and _state(llm) == snap.state
-    sqa = A.seen_scores(llm, snap, q + a)
+    sqa = H.seen_scores(llm, snap, q + a)
     assert llm.n_tokens == snap.n_tokens and _state(llm) == snap.state
     np.testing.assert_array_equal(H.logits(llm), snap.logits)
     rest = sqa * (len(q) + len(a)) - sq * len(q)
@@ -95,7 +95,7 @@ def test_seen_scores_average_the_window_over_its_queries_and_leave_the_cache(llm
     assert (rest.sum(axis=-1) <= len(a) + 1e-3).all() and rest.sum() > 0
     assert not np.allclose(sq, sqa)
     with pytest.raises(ValueError, match="one observed window holds"):
-        A.seen_scores(llm, snap, [])
+        H.seen_scores(llm, snap, [])
     assert _state(llm) == snap.state
 
 
