@@ -27,6 +27,7 @@ from llama_cpp import llama_cpp as C
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 PLACEMENTS = ("inside", "after")
+MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]      # the shipped models, every benchmark's default
 SYSTEM = "You are a helpful AI bot that answers questions for a user. Keep your response short and direct"
 _MARK = "\u2063DOC\u2063"
 
@@ -261,6 +262,15 @@ def threads() -> int:
     ENTROKV_BENCH_THREADS, else the machine's cores. evidence.py sets it from --threads, so the
     peers and our runs get the same number."""
     return int(os.environ.get("ENTROKV_BENCH_THREADS") or os.cpu_count() or 1)
+
+
+def train_context(model: str) -> int:
+    """The model's training context (GGUF metadata ``<arch>.context_length``), read without loading
+    its weights."""
+    import gguf
+    r = gguf.GGUFReader(str(ek.models.model_path(model)))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    return int(r.fields[f"{arch}.context_length"].parts[-1][0])
 
 
 def load(model: str, n_ctx: int, **kw):

@@ -35,7 +35,7 @@ SETTINGS = {"page-entrokv": dict(policy="page-entrokv"),
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--models", nargs="+", default=H.MODELS)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prefill-cache", default=None, metavar="DIR",

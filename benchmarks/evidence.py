@@ -40,7 +40,8 @@ import speed  # noqa: E402
 import uor_replay  # noqa: E402
 
 PARTS = ("speed", "uor", "masquerade", "niah", "fidelity", "peers")   # speed first: its runs are fresh processes
-MODELS = ["smollm2-135m", "gemma3-270m"]
+MODELS = H.MODELS
+SPEED_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b")   # Gemma 3's sliding-window cache is never evicted: not timed
 PEERS_VENV = HERE.parent / ".venv-peers" / "bin" / "python"
 
 
@@ -66,6 +67,42 @@ def merge_rows(out: Path, meta: dict, rows: list[dict], key, redo: set) -> None:
     out.write_text(json.dumps({"meta": meta, "data": {"rows": keep + rows}}, indent=1))
 
 
+def _rows_of(data):
+    """The row list inside a part's data (a list, or a dict with "rows")."""
+    return data["rows"] if isinstance(data, dict) else data
+
+
+def merge_part(path: Path, part: str, data, doc_meta: dict, models) -> dict:
+    """The part's document with this run's rows for ``models`` replacing the file's rows of
+    those models and the other models' rows kept (a model added later runs alone: --models).
+    Summaries are recomputed from the merged rows; ``meta["runs"]`` lists every run whose rows
+    remain (models, mode, commit, date, seconds)."""
+    run = {k: doc_meta[k] for k in ("mode", "commit", "date", "seconds")}
+    run["models"] = sorted({r.get("model", "smollm2-135m") for r in _rows_of(data)} | set(models))
+    old = json.loads(path.read_text()) if path.exists() else None
+    if old is None or not isinstance(_rows_of(old["data"]), list):
+        return {"meta": {**doc_meta, "runs": [run]}, "data": data}
+    redo = set(run["models"])
+    kept = [r for r in _rows_of(old["data"]) if r.get("model", "smollm2-135m") not in redo]
+    runs = [x for x in old["meta"].get("runs", [{k: old["meta"][k] for k in ("mode", "commit", "date", "seconds")}
+                                                 | {"models": sorted({r.get("model", "smollm2-135m")
+                                                                      for r in _rows_of(old["data"])})}])
+            if set(x["models"]) - redo]
+    for x in runs:
+        x["models"] = sorted(set(x["models"]) - redo)
+    rows = kept + _rows_of(data)
+    if isinstance(data, dict):
+        merged = {**old["data"], **data, "rows": rows}
+        if part == "niah":
+            merged["summary"] = niah.summary(rows)
+        elif part == "fidelity":
+            merged["summary"] = fidelity.summary(rows)
+    else:
+        merged = rows
+    models_meta = {**old["meta"].get("models", {}), **doc_meta["models"]}
+    return {"meta": {**doc_meta, "models": models_meta, "runs": runs + [run]}, "data": merged}
+
+
 def meta(mode: str, settings: dict, seconds: float, commit: str) -> dict:
     reg = ek.models.registry()
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
@@ -73,7 +110,7 @@ def meta(mode: str, settings: dict, seconds: float, commit: str) -> dict:
     return {"mode": mode, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC",
             time.gmtime()), "machine": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "system": platform.platform()}, "models": {m: {"file": reg[m]["file"], "sha256": reg[m]["sha256"]}
-            for m in MODELS}, "settings": settings, "seconds": seconds}
+            for m in MODELS if m in reg}, "settings": settings, "seconds": seconds}
 
 
 def peer_cases(lengths, depths, budgets, llm, quick=False) -> list[dict]:
@@ -161,21 +198,25 @@ def main(argv=None) -> int:
         elif part == "niah":
             s = niah.QUICK if args.quick else niah.FULL
             rows = niah.run(args.models, s["lengths"], s["depths"], s["budgets"], log=log)
-            pngs = niah.heatmaps(rows, out / "png")
-            data = {"rows": rows, "summary": niah.summary(rows), "png": [str(Path(p).relative_to(out)) for p in pngs]}
+            data = {"rows": rows, "summary": niah.summary(rows)}
         elif part == "fidelity":
             s = fidelity.QUICK if args.quick else fidelity.FULL
             rows = fidelity.run(args.models, s["length"], s["n_qa"], s["n_code"], s["budgets"], s["tokens"], log=log)
             data = {"rows": rows, "summary": fidelity.summary(rows)}
         elif part == "speed":
             s = speed.QUICK if args.quick else speed.FULL
-            data = speed.run("smollm2-135m", s["lengths"], s["long"], s["long_cells"], s["long_budget"], s["repeats"],
-                             log=log)
+            data = [row for m in args.models if m in SPEED_MODELS
+                    for row in speed.run(m, s["lengths"], s["long"], s["long_cells"], s["long_budget"], s["repeats"],
+                                         log=log)]
         else:
             s = {"threads": args.threads}
             data = run_peers(args.quick, args.threads, log=log)
         s = {**s, "threads": args.threads}
-        doc = {"meta": meta(mode, s, time.perf_counter() - t0, commit), "data": data}
+        doc = merge_part(out / f"{part}.json", part, data, meta(mode, s, time.perf_counter() - t0, commit),
+                         [m for m in args.models if part != "speed" or m in SPEED_MODELS])
+        if part == "niah":      # the heatmaps of every model in the file
+            pngs = niah.heatmaps(doc["data"]["rows"], out / "png")
+            doc["data"]["png"] = [str(Path(p).relative_to(out)) for p in pngs]
         (out / f"{part}.json").write_text(json.dumps(doc, indent=1))
         log(f"{part}: {doc['meta']['seconds']:.0f} s")
     # a run of some parts only: the header sums every part's own time instead of this run's

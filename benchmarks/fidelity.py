@@ -133,7 +133,7 @@ def summary(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--models", nargs="+", default=H.MODELS)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--offset", type=int, default=0, help="first essay / module (held-out splits)")
     ap.add_argument("--budgets", nargs="+", type=float, help="instead of the mode's budgets (fractions in (0, 1])")

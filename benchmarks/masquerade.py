@@ -62,7 +62,7 @@ def run(models, n_prompts: int, tokens: int, offset: int = 0, sinks: int = 4, to
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--models", nargs="+", default=H.MODELS)
     ap.add_argument("--quick", action="store_true", help="1 prompt of 1024 tokens")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=2048)

@@ -11,7 +11,8 @@ turn of the chat template: the haystack, a blank line and the question (what the
 benchmarks/peers.py get too). An answer counts when it names the sandwich or Dolores Park (the
 package's own grader is a GPT-4 call; we cannot use it here).
 
-Each (length, depth) is prefilled once; every policy and budget restores a snapshot,
+Lengths 1k-16k, each up to the model's training context (SmolLM2: 8k). Each (length, depth)
+is prefilled once; every policy and budget restores a snapshot,
 evicts from the same scores and answers greedily (up to 24 tokens). "inside": the
 question was in the observed window; "after": the haystack was evicted before the
 question arrived. Needle retention: the share of (layer, group) buffers that kept every
@@ -33,7 +34,7 @@ import _harness as H
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco? Don't give information outside the document or repeat your findings"
 EVICTING = tuple(p for p in ek.METHOD_POLICIES if p != "full")   # Page-EntroKV first, then the baselines
-FULL = dict(lengths=[1024, 2048, 4096, 8192], depths=[0, 25, 50, 75, 100], budgets=[0.1, 0.2, 0.5])
+FULL = dict(lengths=[1024, 2048, 4096, 8192, 16384], depths=[0, 25, 50, 75, 100], budgets=[0.1, 0.2, 0.5])
 QUICK = dict(lengths=[1024], depths=[50], budgets=[0.2])
 
 
@@ -76,8 +77,9 @@ def run(models, lengths, depths, budgets, policies=EVICTING, placements=H.PLACEM
         max_answer=24, log=print) -> list[dict]:
     rows = []
     for model in models:
-        llm = H.load(model, max(lengths) + 256)
-        for length in lengths:
+        fits = [n for n in lengths if n <= H.train_context(model)]     # lengths within the model's context
+        llm = H.load(model, max(fits) + 256)
+        for length in fits:
             for depth in depths:
                 p = needle_prompt(llm, length, depth, offset)
                 t0 = time.perf_counter()
@@ -155,7 +157,7 @@ def heatmaps(rows: list[dict], out_dir, placement: str = "inside") -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--models", nargs="+", default=H.MODELS)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--offset", type=int, default=0, help="first essay of the haystack (held-out splits)")
     ap.add_argument("--json")

@@ -262,16 +262,24 @@ def agnostic_section(d) -> str:
 def speed_section(d) -> str:
     rows = [{**r, "mode": "page-entrokv" if r["mode"] == "entrokv" else r["mode"], "rep": r.get("rep", 0)}
             for r in d["data"]]                      # rows before entrokv-edge was measured: one policy, one round
-    mib = 2 ** 20
-    med = lambda xs: float(np.median(xs))  # noqa: E731
+    models = list(dict.fromkeys(r.get("model", "smollm2-135m") for r in rows))
     policies = [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "plain"]
     reps = max((r["rep"] for r in rows), default=0) + 1
-    s = ["## 5. Speed and memory (SmolLM2-135M-Instruct)\n",
+    s = [f"## 5. Speed and memory ({', '.join(models)})\n",
          "Each run is its own process; peak RSS is that process's. Rows: a plain llama.cpp cache, and EntroKVLlama "
          f"with each policy ({', '.join(policies)}), the last 32 tokens observed and an eviction to the budget (20%, "
          f"or the token budget of the long run; entrokv-edge drafts up to 24 tokens first, its default lookahead, "
          f"and its eviction time includes that draft). Prefill runs: {reps} round(s), each running every cache in turn; "
          "the table shows medians over the rounds; the long run ran once.\n\n"]
+    for model in models:
+        s.append(_speed_model([r for r in rows if r.get("model", "smollm2-135m") == model], model, policies))
+    return "".join(s)
+
+
+def _speed_model(rows, model, policies) -> str:
+    mib = 2 ** 20
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    s = [f"**{model}**\n\n"]
     groups = defaultdict(list)
     for r in rows:
         groups[(r["part"], r["tokens"], r["mode"])].append(r)
@@ -595,6 +603,12 @@ def variants_section(d, peers=None) -> str:
     return "".join(s)
 
 
+def _part_seconds(d) -> float:
+    """A part's time: every run whose rows it holds (a model added later ran alone)."""
+    runs = d["meta"].get("runs")
+    return sum(x["seconds"] for x in runs) if runs else d["meta"]["seconds"]
+
+
 def write(results: Path, report: Path, total_seconds: float | None = None) -> None:
     results = Path(results)
     parts = {p: _load(results, p) for p in ("uor", "masquerade", "niah", "fidelity", "speed", "peers", "variants")}
@@ -610,9 +624,9 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
          f"({m['machine']['cores']} cores), Python {m['machine']['python']}. Models: " +
          ", ".join(f"{k} (`{v['file']}`, sha256 `{v['sha256'][:12]}...`)" for k, v in m["models"].items()) + ". "
          "Results: `benchmarks/results/*.json`. Time per part: " +
-         ", ".join(f"{k} {v['meta']['seconds'] / 60:.1f} min" for k, v in parts.items() if v) +
+         ", ".join(f"{k} {_part_seconds(v) / 60:.1f} min" for k, v in parts.items() if v) +
          (f"; {total_seconds / 60:.1f} min in all" if total_seconds else
-          f"; {sum(v['meta']['seconds'] for k, v in parts.items() if v and k != 'variants') / 60:.1f} min for the "
+          f"; {sum(_part_seconds(v) for k, v in parts.items() if v and k != 'variants') / 60:.1f} min for the "
           "evidence parts together") + ".\n\n"]
     # what each part covers (parts can be run alone: --parts, --models)
     cover = []
@@ -622,8 +636,10 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
         rows = v["data"]["rows"] if isinstance(v["data"], dict) and "rows" in v["data"] else v["data"]
         models = sorted({r.get("model", "smollm2-135m") for r in rows}) if isinstance(rows, list) else []
         th = v["meta"]["settings"].get("threads") if isinstance(v["meta"].get("settings"), dict) else None
-        cover.append(f"{k}: {v['meta']['mode']} mode, commit `{v['meta']['commit']}`, {v['meta']['date']}"
-                     + (f", {', '.join(models)}" if models else "")
+        runs = v["meta"].get("runs") or [{**v["meta"], "models": models}]
+        cover.append(f"{k}: " + " + ".join(f"{x['mode']} mode, commit `{x['commit']}`, {x['date']}"
+                                            + (f", {', '.join(x['models'])}" if x.get("models") else "")
+                                            for x in runs)
                      + (f", {th} threads for every system" if th else ", threads: llama-cpp-python's defaults"))
     s.append("Parts: " + "; ".join(cover) + ".\n\n")
     makers = {"uor": uor_section, "masquerade": masquerade_section,

@@ -84,7 +84,7 @@ def run(models, n_essays: int, n_code: int, tokens: int, log=print) -> list[dict
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--models", nargs="+", default=H.MODELS)
     ap.add_argument("--essays", type=int, default=8)
     ap.add_argument("--code", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=2048)

@@ -11,6 +11,7 @@ model hub is contacted.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -92,6 +93,90 @@ def model_path(name: str, *, fetch: bool = True, quiet: bool = False) -> Path:
     return dest
 
 
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}   # gguf value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_header_size(path: str | os.PathLike) -> int:
+    """Bytes of a GGUF file's header: magic, version, counts, every metadata key/value and every
+    tensor's name, shape, type and offset (everything but the tensor data). Raises ModelError for
+    a file that is not GGUF v2/v3 or whose header is cut short."""
+    import struct
+    with open(path, "rb") as f:
+        data = f.read(1 << 20)
+        pos = 0
+
+        def need(n):
+            nonlocal data
+            while pos + n > len(data):
+                more = f.read(max(n, 1 << 22))
+                if not more:
+                    raise ModelError(f"{path}: the GGUF header is cut short")
+                data += more
+
+        def u(fmt):
+            nonlocal pos
+            size = struct.calcsize(fmt)
+            need(size)
+            v = struct.unpack_from(fmt, data, pos)[0]
+            pos += size
+            return v
+
+        def skip_value(t):
+            nonlocal pos
+            if t in _GGUF_SCALAR:
+                need(_GGUF_SCALAR[t])
+                pos += _GGUF_SCALAR[t]
+            elif t == _GGUF_STRING:
+                n = u("<Q")
+                need(n)
+                pos += n
+            elif t == _GGUF_ARRAY:
+                et, n = u("<I"), u("<Q")
+                if et in _GGUF_SCALAR:
+                    need(n * _GGUF_SCALAR[et])
+                    pos += n * _GGUF_SCALAR[et]
+                else:
+                    for _ in range(n):
+                        skip_value(et)
+            else:
+                raise ModelError(f"{path}: unknown GGUF value type {t}")
+
+        need(4)
+        if data[:4] != b"GGUF":
+            raise ModelError(f"{path} is not a GGUF model file")
+        pos = 4
+        if u("<I") not in (2, 3):
+            raise ModelError(f"{path}: unsupported GGUF version")
+        n_tensors, n_kv = u("<Q"), u("<Q")
+        for _ in range(n_kv):
+            skip_value(_GGUF_STRING)          # the key
+            skip_value(u("<I"))
+        for _ in range(n_tensors):
+            skip_value(_GGUF_STRING)          # the name
+            n_dims = u("<I")
+            need(8 * n_dims + 12)
+            pos += 8 * n_dims + 12            # dims, type, offset
+        return pos
+
+
+def model_identity(path: str | os.PathLike) -> str:
+    """sha256 of a GGUF file's header (metadata and tensor layout, gguf_header_size) and of its
+    size: what tells two models apart, without reading the weights. Cached per file, size and
+    modification time."""
+    st = os.stat(path)
+    return _identity(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _identity(path: str, size: int, mtime_ns: int) -> str:
+    n = gguf_header_size(path)
+    h = hashlib.sha256(f"gguf-header|{size}|".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(n))
+    return h.hexdigest()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="entrokv-models", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -103,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
-            for name, e in sorted(registry().items()):
+            reg = registry()
+            width = max(map(len, reg))
+            for name, e in sorted(reg.items()):
                 have = (cache_dir() / e["file"]).is_file()
-                print(f"{name:14s} {'fetched' if have else 'not fetched':12s} {e['description']}")
+                print(f"{name:{width}s}  {'fetched' if have else 'not fetched':12s} {e['description']}")
         elif args.cmd == "fetch":
             for n in args.names:
                 print(model_path(n))

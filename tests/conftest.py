@@ -31,3 +31,9 @@ def smollm2():
 def gemma3():
     from entrokv_edge.models import model_path
     return model_path("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def qwen25():
+    from entrokv_edge.models import model_path
+    return model_path("qwen2.5-coder-0.5b")

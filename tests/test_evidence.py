@@ -20,9 +20,32 @@ PARTS = ["uor", "masquerade", "niah", "fidelity", "speed", "peers"]
 def quick(tmp_path_factory, smollm2, gemma3):
     out = tmp_path_factory.mktemp("evidence")
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "evidence.py"), "--quick", "--out", str(out),
-                        "--report", str(out / "REPORT.md")], capture_output=True, text=True, timeout=900)
+                        "--report", str(out / "REPORT.md"), "--models", "smollm2-135m", "gemma3-270m"],
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
+
+
+def test_a_model_run_alone_joins_the_other_models_rows(quick, qwen25, tmp_path):
+    """A model added later (--models qwen2.5-coder-0.5b) runs alone: its rows join the file's, the
+    other models' rows stay as they were, and the report lists both runs."""
+    import shutil
+    out = tmp_path / "results"
+    shutil.copytree(quick, out)
+    before = json.loads((out / "masquerade.json").read_text())
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "evidence.py"), "--quick", "--out", str(out),
+                        "--report", str(out / "REPORT.md"), "--models", "qwen2.5-coder-0.5b", "--parts", "masquerade"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = json.loads((out / "masquerade.json").read_text())
+    assert after["data"][:2] == before["data"] and after["data"][2]["model"] == "qwen2.5-coder-0.5b"
+    assert after["data"][2]["r"] == 7
+    runs = after["meta"]["runs"]
+    assert [x["models"] for x in runs] == [["gemma3-270m", "smollm2-135m"], ["qwen2.5-coder-0.5b"]]
+    assert set(after["meta"]["models"]) >= {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"}
+    text = (out / "REPORT.md").read_text()
+    assert "| qwen2.5-coder-0.5b | 7 |" in text
+    assert "gemma3-270m, smollm2-135m + quick mode" in text           # the parts line names both runs
 
 
 def test_every_part_writes_its_results_with_provenance(quick):

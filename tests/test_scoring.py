@@ -41,13 +41,16 @@ def test_scores_match_reference_on_synthetic_models(synth_models, model, fa):
     check_against_reference(synth_models[model], toks, fa, type_k=0, head_dim=32)
 
 
-@pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
-def test_scores_match_reference_on_smollm2(smollm2, fa):
+@pytest.mark.parametrize("model, fa", [("smollm2", False), ("smollm2", True), ("qwen25", False)],
+                         ids=["smollm2-fa-off", "smollm2-fa-on", "qwen25-fa-off"])
+def test_scores_match_reference_on_real_models(request, model, fa):
+    """SmolLM2 (r = 3) and Qwen2.5 (r = 7, biased Q/K projections) against numpy."""
     import llama_cpp
-    m = llama_cpp.Llama(str(smollm2), vocab_only=True, verbose=False)
+    path = request.getfixturevalue(model)
+    m = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     toks = m.tokenize(b"In the quiet harbour town, the keeper of the lighthouse kept a ledger of every ship. "
                       b"One night he wrote the code 4417 beside the name of a schooner that never came back.")
-    check_against_reference(smollm2, toks, fa, type_k=1, head_dim=64)
+    check_against_reference(path, toks, fa, type_k=1, head_dim=64)
 
 
 def test_observation_through_llama_and_after_compaction(synth_models):
