@@ -26,7 +26,7 @@ from .bindings import (  # noqa: E402
 
 from .bindings.observe import Observation, WindowScores  # noqa: E402
 from .controller import METHOD_POLICIES, POLICIES, EvictionConfig, EvictionResult, PageEntroKV  # noqa: E402
-from .runtime import EntroKVLlama  # noqa: E402
+from .runtime import EntroKVLlama, EntroKVState, SessionError  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -35,10 +35,12 @@ __all__ = [
     "POLICIES",
     "EntroKVError",
     "EntroKVLlama",
+    "EntroKVState",
     "EvictionConfig",
     "EvictionResult",
     "Observation",
     "PageEntroKV",
+    "SessionError",
     "WindowScores",
     "KVGeometry",
     "KVLayer",

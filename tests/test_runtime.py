@@ -110,18 +110,15 @@ def test_saved_sessions_restore_the_same_logits_and_tables(model, tmp_path):
 def test_a_session_saved_before_an_option_existed_loads_with_it_off(model, tmp_path):
     """A session from before ``decay``, ``value_power``, ``lookahead`` and ``lookahead_share`` existed (its settings lack the keys)
     had neither: loading it must not switch on today's defaults (decay 0.85 under its spread)."""
-    import json
+    from entrokv_edge.runtime import session
     a = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS, spread=4, decay=0.5)
     a.eval(prompt(300, 2))
     path = tmp_path / "old.entrokv"
     a.save_session(path)
-    z = dict(np.load(path))
-    meta = json.loads(bytes(z["meta"]).decode())
+    state = session.read(path)            # the same file as an older version would have written it
     for k in ("decay", "value_power", "lookahead", "lookahead_share"):
-        del meta["config"][k]
-    z["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    with open(path, "wb") as f:
-        np.savez(f, **z)
+        del state.settings[k]
+    session.write(path, state)
     b = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
     b.load_session(path)
     assert b.config.decay == 1.0 and b.config.spread == 4 and b.config.policy == "entrokv-edge"

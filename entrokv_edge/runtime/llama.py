@@ -10,7 +10,7 @@ compacted cells (the native code refuses it), and an edited history is re-evalua
 from __future__ import annotations
 
 import dataclasses
-import json
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,6 +22,7 @@ from ..bindings.observe import Observation, WindowScores, head_slots
 from ..controller import EvictionConfig, EvictionResult, PageEntroKV
 from ..controller.config import EDGE_OPTIONS, OFF
 from .._loader import ensure_llama_cpp
+from . import session
 
 llama_cpp = ensure_llama_cpp()
 
@@ -67,6 +68,10 @@ class EntroKVLlama(llama_cpp.Llama):
                              f"the protected pages ({min_keep} tokens) plus room for new tokens ({self.reserve})")
         self._n_ctx = int(logical_ctx or llama_cpp.llama_model_n_ctx_train(self.model))
         self.progress = progress
+        # one instance, one conversation: calls that touch the cache run one at a time (a second thread
+        # waits), and a generation that starts while another is unfinished is refused (see generate)
+        self._lock = threading.RLock()
+        self._generating = threading.Lock()
         self._window_scores: WindowScores | None = None
         self.last_eviction: EvictionResult | None = None
         self.n_evictions = 0
@@ -100,6 +105,10 @@ class EntroKVLlama(llama_cpp.Llama):
     def evict(self, n_keep: int | None = None) -> EvictionResult:
         """Evict now, with the freshest window scores, down to ``n_keep`` pages
         (default: the budget for the logical length, within the cache's capacity)."""
+        with self._lock:
+            return self._evict(n_keep)
+
+    def _evict(self, n_keep: int | None = None) -> EvictionResult:
         n = self.n_tokens
         if n == 0:
             raise ValueError("nothing to evict: the context is empty")
@@ -150,7 +159,24 @@ class EntroKVLlama(llama_cpp.Llama):
             if self.progress is not None and total > 1:
                 self.progress(done + len(piece), total)
 
+    def generate(self, tokens, *args, **kwargs):
+        """llama-cpp-python's generate, one at a time per instance: a generation started while
+        another (from any thread) is still unfinished raises RuntimeError, since both would
+        write into the same cache. Finish or close a stream before starting the next."""
+        if not self._generating.acquire(blocking=False):
+            raise RuntimeError("this EntroKVLlama is already generating (another stream is unfinished, maybe in "
+                               "another thread): one instance holds one conversation at a time; finish or close "
+                               "the other stream, or give each thread its own instance")
+        try:
+            yield from super().generate(tokens, *args, **kwargs)
+        finally:
+            self._generating.release()
+
     def eval(self, tokens) -> None:
+        with self._lock:
+            self._eval(tokens)
+
+    def _eval(self, tokens) -> None:
         tokens = [int(t) for t in tokens]
         if not tokens:
             return
@@ -181,8 +207,9 @@ class EntroKVLlama(llama_cpp.Llama):
             self.evict()                        # after a prompt: down to the budget
 
     def reset(self) -> None:
-        super().reset()
-        self._window_scores = None
+        with self._lock:
+            super().reset()
+            self._window_scores = None
 
     # --- reports and sessions -----------------------------------------------------------
 
@@ -200,62 +227,96 @@ class EntroKVLlama(llama_cpp.Llama):
                 "layers": layers}
 
     def save_session(self, path: str | Path, extra: dict | None = None) -> None:
-        """Save llama.cpp's state, our true-position table, the last logits, the freshest
-        window scores and the settings to ``path`` (plus ``extra``, JSON-serializable)."""
-        size = llama_cpp.llama_state_get_size(self.ctx)
-        buf = (llama_cpp.ctypes.c_uint8 * size)()
-        n_bytes = llama_cpp.llama_state_get_data(self.ctx, buf, size)
-        g = geometry(self)
-        meta = {"format": "entrokv-session-1", "config": {k: getattr(self.config, k) for k in _SETTINGS},
-                "n_compacted": g.n_compacted, "kv_cells": self.kv_cells, "n_tokens": self.n_tokens,
-                "extra": extra or {}}
-        tp = true_positions(self)[:, : g.n_compacted] if g.n_compacted else np.zeros((g.n_slots, 0), np.int32)
-        ws = self._window_scores
-        last = llama_cpp.llama_get_logits_ith(self.ctx, -1) if self.n_tokens else None
-        if last:
-            arrays_logits = np.ctypeslib.as_array(last, shape=(self.n_vocab(),)).copy()
-        else:
-            arrays_logits = np.zeros(0, np.float32)
-        arrays = {"llama_state": np.frombuffer(bytes(buf[:n_bytes]), dtype=np.uint8), "logits": arrays_logits,
-                  "input_ids": np.asarray(self.input_ids[: self.n_tokens], dtype=np.int32), "true_pos": tp,
-                  "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
-        if ws is not None:
-            arrays.update(ws_scores=ws.scores, ws_true_pos=ws.true_pos, ws_layers=ws.layer_ids,
-                          ws_info=np.array([ws.window, ws.n_tokens, ws.pos_last], np.int64))
-        with open(path, "wb") as f:
-            np.savez(f, **arrays)
+        """Save the state (``save_state``) to ``path``, atomically, with checksums and the model's
+        identity (runtime/session.py); ``extra`` (JSON-serializable) is saved with it."""
+        state = self.save_state()
+        state.extra = dict(extra or {})
+        session.write(path, state)
 
     def load_session(self, path: str | Path) -> dict:
-        """Restore a session saved by ``save_session`` (same model and cache size);
-        returns the ``extra`` it was saved with."""
+        """Restore a session saved by ``save_session``; returns the ``extra`` it was saved with.
+        A file that is damaged or was saved with another model, cache size, cache type or
+        version raises ``SessionError`` (a ValueError) and leaves the context as it was."""
+        state = session.read(path)
         try:
-            z = np.load(path, allow_pickle=False)
-            meta = json.loads(bytes(z["meta"]).decode())
-        except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
-            raise ValueError(f"{path}: not an EntroKV Edge session file ({e})") from e
-        if meta.get("format") != "entrokv-session-1":
-            raise ValueError(f"{path}: unknown session format {meta.get('format')!r}")
-        if meta["kv_cells"] != self.kv_cells:
-            raise ValueError(f"{path} was saved with a {meta['kv_cells']}-cell cache, this one has {self.kv_cells}")
-        n = int(meta["n_tokens"])
-        # options added after a session was saved did not exist then: off, not today's defaults
-        cfg = EvictionConfig(**{**{k: OFF[k] for k in EDGE_OPTIONS}, **meta["config"]})
-        raw = z["llama_state"]
-        buf = (llama_cpp.ctypes.c_uint8 * raw.size).from_buffer_copy(raw.tobytes())
-        if llama_cpp.llama_state_set_data(self.ctx, buf, raw.size) != raw.size:
-            raise ValueError(f"{path}: llama.cpp refused the saved state (another model?)")
+            self.load_state(state)
+        except session.SessionError as e:
+            raise session.SessionError(f"{path}: {e}") from None
+        return state.extra
+
+    def _identity(self) -> dict:
+        """What a saved state must match: the model (GGUF header hash), the cache's size, layout
+        and types, the vocabulary."""
+        from .. import models
+        g = geometry(self)
+        return {"model": models.model_identity(self.model_path), "model_name": self.metadata.get("general.name", ""),
+                "kv_cells": self.kv_cells, "n_vocab": self.n_vocab(),
+                "geometry": [g.n_layers, g.n_slots, g.type_k, g.type_v, g.v_trans, g.is_iswa,
+                             llama_cpp.llama_model_n_head(self.model)]}
+
+    def save_state(self) -> session.EntroKVState:
+        """The whole state in memory: llama.cpp's state, the logical tokens, the true-position
+        table, the last logits, the freshest window scores and the settings (what
+        llama-cpp-python's caches keep between requests, and what ``save_session`` writes)."""
+        with self._lock:
+            size = llama_cpp.llama_state_get_size(self.ctx)
+            buf = (llama_cpp.ctypes.c_uint8 * size)()
+            n_bytes = llama_cpp.llama_state_get_data(self.ctx, buf, size)
+            g = geometry(self)
+            tp = true_positions(self)[:, : g.n_compacted] if g.n_compacted else np.zeros((g.n_slots, 0), np.int32)
+            last = llama_cpp.llama_get_logits_ith(self.ctx, -1) if self.n_tokens and not self._requires_eval else None
+            logits = np.ctypeslib.as_array(last, shape=(self.n_vocab(),)).copy() if last else np.zeros(0, np.float32)
+            return session.EntroKVState(
+                input_ids=np.asarray(self.input_ids[: self.n_tokens], dtype=np.int32).copy(), n_tokens=self.n_tokens,
+                llama_state=bytes(buf[:n_bytes]), seed=int(self._seed), logits=logits, true_pos=tp,
+                window_scores=self._window_scores, settings={k: getattr(self.config, k) for k in _SETTINGS},
+                identity=self._identity())
+
+    def load_state(self, state: session.EntroKVState) -> None:
+        """Restore a state from ``save_state`` (or ``session.read``). One made for another model,
+        cache size or cache type raises ``SessionError`` before anything changes; if llama.cpp
+        still refuses it, the context is put back as it was before the call."""
+        if not isinstance(state, session.EntroKVState):
+            raise session.SessionError("not an EntroKVLlama state (a plain LlamaState lacks the true positions "
+                                       "of the compacted cells)")
+        why = session.mismatch(state.identity, self._identity())
+        if why:
+            raise session.SessionError(f"cannot load this state: {why}")
+        try:   # options added after a state was saved did not exist then: off, not today's defaults
+            cfg = EvictionConfig(**{**{k: OFF[k] for k in EDGE_OPTIONS}, **state.settings})
+        except (TypeError, ValueError) as e:
+            raise session.SessionError(f"cannot load this state: its settings are not valid here ({e})") from None
+        n = int(state.n_tokens)
+        if state.logits.size not in (0, self.n_vocab()) or state.true_pos.ndim != 2 or \
+                state.true_pos.shape[0] != geometry(self).n_slots or state.true_pos.shape[1] > self.kv_cells:
+            raise session.SessionError("cannot load this state: its arrays do not fit this cache")
+        with self._lock:
+            backup = self.save_state() if self.n_tokens else None
+            try:
+                self._apply_state(state, n, cfg)
+            except Exception as e:
+                llama_cpp.llama_memory_clear(self._ctx.memory, True)
+                if backup is not None:
+                    self._apply_state(backup, backup.n_tokens, self.config)
+                else:
+                    self.reset()
+                if isinstance(e, EntroKVError) or "refused" in str(e):
+                    raise session.SessionError(f"cannot load this state: {e}") from None
+                raise
+
+    def _apply_state(self, state: session.EntroKVState, n: int, cfg: EvictionConfig) -> None:
+        raw = state.llama_state
+        buf = (llama_cpp.ctypes.c_uint8 * len(raw)).from_buffer_copy(raw)
+        if llama_cpp.llama_state_set_data(self.ctx, buf, len(raw)) != len(raw):
+            raise session.SessionError("llama.cpp refused the saved state")
         self._ensure_ids(n)
-        self.input_ids[:n] = z["input_ids"][:n]
+        self.input_ids[:n] = state.input_ids[:n]
         self.n_tokens = n
-        if z["logits"].size:
-            set_last_logits(self, z["logits"])
-        self._requires_eval = z["logits"].size == 0
+        self._seed = state.seed
+        if state.logits.size:
+            set_last_logits(self, state.logits)
+        self._requires_eval = state.logits.size == 0
         self.controller = PageEntroKV(cfg)
-        if meta["n_compacted"]:
-            restore(self, z["true_pos"])
-        self._window_scores = None
-        if "ws_scores" in z:
-            info = z["ws_info"]
-            self._window_scores = WindowScores(z["ws_scores"], z["ws_true_pos"], z["ws_layers"],
-                                               int(info[0]), int(info[1]), int(info[2]))
-        return meta.get("extra", {})
+        if state.true_pos.shape[1]:
+            restore(self, np.ascontiguousarray(state.true_pos, dtype=np.int32))
+        self._window_scores = state.window_scores
