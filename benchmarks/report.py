@@ -225,12 +225,12 @@ AGNOSTIC_BOUNDS = ("question", "answer")   # agnostic.py's sources from what com
 
 
 def agnostic_section(d) -> str:
-    """From results/agnostic.json (benchmarks/agnostic.py): question-agnostic scores for the
+    """From results/agnostic.json (benchmarks/research/agnostic.py): question-agnostic scores for the
     question after the eviction, each evicting with entrokv-edge's selection at the exact
     budget, against head-independent eviction (its own selection and union) and entrokv-edge's
     defaults, paired per prompt."""
     m, summ = d["meta"], d["data"]["summary"]
-    s = [f"\n**With the question after the eviction: question-agnostic scores** (`benchmarks/agnostic.py`, "
+    s = [f"\n**With the question after the eviction: question-agnostic scores** (`benchmarks/research/agnostic.py`, "
          f"{m['mode']} mode, commit `{m['commit']}`, {m['date']}, {m['seconds'] / 60:.1f} min; the same "
          f"prompts, {int(m['settings']['budget'] * 100)}%). Each source scores the keys of the same prefill, "
          f"{EDGE}'s selection keeps the exact budget (head-independent eviction: its own selection and union); the "
@@ -273,6 +273,21 @@ def speed_section(d) -> str:
          "the table shows medians over the rounds; the long run ran once.\n\n"]
     for model in models:
         s.append(_speed_model([r for r in rows if r.get("model", "smollm2-135m") == model], model, policies))
+    return "".join(s)
+
+
+def cost_section(d) -> str:
+    """From results/eviction_cost.json (benchmarks/eviction_cost.py): one eviction's wall time per
+    setting on the same prefilled prompt, split into the draft, the selection, the compaction and the
+    metrics; medians over the rounds."""
+    rows, m = d["data"]["rows"], d["meta"]
+    s = [f"\n**One eviction's cost, by part** (`benchmarks/eviction_cost.py`, commit `{m['commit']}`, {m['date']}; "
+         f"a needle prompt prefilled once, each setting restoring it and evicting to 20%, medians of "
+         f"{m['settings'].get('repeats')} rounds; r = query heads per KV head):\n\n"]
+    table = [[x["model"], x["r"], x["tokens"], x["setting"], x["total_s"], x["draft_s"], x["select_s"], x["compact_s"],
+              x["metrics_s"], x["drafted"]] for x in sorted(rows, key=lambda x: (x["tokens"], x["model"]))]
+    s.append(_table(["model", "r", "tokens", "setting", "total s", "draft s", "selection s", "compaction s",
+                     "metrics s", "drafted"], table))
     return "".join(s)
 
 
@@ -396,11 +411,11 @@ def peers_section(d, niah_d) -> str:
 NEEDLE_KINDS = {"sandwich": "needlehaystack needle", "magic": "magic-number needles", "passkey": "pass-key needles",
                 "room": "meeting-room needles", "gate": "flight-gate needles", "locker": "locker-code needles",
                 "drawer": "bicycle-key drawer needles", "safe": "safe-combination needles"}
-ROUND1 = "edge:rank+pool7"       # round 1's defaults by name (benchmarks/variants.py)
+ROUND1 = "edge:rank+pool7"       # round 1's defaults by name (benchmarks/research/variants.py)
 ROUND4 = "edge:P4+rank+pool7+spread24+decay0.85"     # round 4's (the defaults round 5 was measured against)
 ROUND6 = "edge:P4+rank+pool7+spread24+decay0.85+look24"      # round 6's (round 4's with a 24-token draft)
 BASE_LABEL = {ROUND1: "round 1's", ROUND4: "round 4's", ROUND6: "round 6's"}
-# the later rounds (benchmarks/variants.py): (name, the splits the candidate is chosen on, the held-out split,
+# the later rounds (benchmarks/research/variants.py): (name, the splits the candidate is chosen on, the held-out split,
 # whether answers count only where the full cache answers right, the defaults it must beat, how the candidate
 # is picked: "answers" = the most answers (ties: the lowest mean KL), "kl_wins" = the most paired KL wins
 # against those defaults among the candidates that keep at least as many of the full cache's right answers,
@@ -450,8 +465,8 @@ def pooled_goal(rows, splits, peer_rows=()) -> str:
 
 
 def variants_section(d, peers=None) -> str:
-    """Section 7 from results/variants.json (benchmarks/variants.py) and, where present,
-    results/variants_peers.json (benchmarks/variants_peers.py: the kvpress presses' answers and KL
+    """Section 7 from results/variants.json (benchmarks/research/variants.py) and, where present,
+    results/variants_peers.json (benchmarks/research/variants_peers.py: the kvpress presses' answers and KL
     on the same prompts, measured in their own runtime against their own full cache)."""
     rows = list(d["data"]["rows"])
     st = d["meta"]["settings"]
@@ -462,7 +477,7 @@ def variants_section(d, peers=None) -> str:
                                                   "heldout6", "heldout7"))
               if any(r["split"] == sp for r in rows)]
     s = ["## 7. Beyond the paper: entrokv-edge\n\n",
-         "`benchmarks/variants.py`: needle prompts at 20% with the question inside the observed window; per "
+         "`benchmarks/research/variants.py`: needle prompts at 20% with the question inside the observed window; per "
          "prompt the full cache's greedy answer is the reference, each configuration's own greedy answer is graded "
          "and its next-token distributions along the reference give KL(full || evicted) (nats, mean over the "
          "answer). Configurations: the method's policies, entrokv-edge with options set one way or another "
@@ -470,7 +485,7 @@ def variants_section(d, peers=None) -> str:
          f"({', '.join(f'{k}={v}' for k, v in st.get('edge_defaults', {}).items())}). Splits: "
          + "; ".join(f"**{k}**: {NEEDLE_KINDS.get(v['needle'], v['needle'])}, essays from #{v['offset']}, "
                      f"depths {v['depths']}" for k, v in st.get("all_splits", st.get("splits", {})).items())
-         + ". The rules (benchmarks/variants.py): round 1 chose the defaults on tune and let heldout decide the "
+         + ". The rules (benchmarks/research/variants.py): round 1 chose the defaults on tune and let heldout decide the "
          "default policy; heldout was read afterwards, so round 2 chose on tune + heldout and heldout2, run once "
          "after that choice, decided; heldout2 was read afterwards too, so round 3 chose on tune + heldout + "
          "heldout2 and heldout3, run once after that choice, decided; round 4 retested round 3's choice on "
@@ -481,7 +496,7 @@ def variants_section(d, peers=None) -> str:
          + "; ".join(f"{sp} `{', '.join(sorted({r.get('commit') or '?' for r in rows if r['split'] == sp}))}`"
                      for sp in splits) + ".\n\n"]
     if peer_rows:
-        s.append("Peers (`benchmarks/variants_peers.py`, kvpress 0.5.5 on the GGUF dequantized by transformers, "
+        s.append("Peers (`benchmarks/research/variants_peers.py`, kvpress 0.5.5 on the GGUF dequantized by transformers, "
                  "budget 20%, question inside): their KL is taken against their own full cache's greedy answer in "
                  "their own runtime, the same measure as ours. OpenVINO GenAI has no KL: "
                  + (peers["meta"]["settings"].get("openvino", "not measurable") if peers else "")
@@ -614,6 +629,7 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
     parts = {p: _load(results, p) for p in ("uor", "masquerade", "niah", "fidelity", "speed", "peers", "variants")}
     variants_peers = _load(results, "variants_peers")
     agnostic = _load(results, "agnostic")
+    cost = _load(results, "eviction_cost")
     any_meta = next((v["meta"] for v in parts.values() if v), None)
     if any_meta is None:
         raise SystemExit(f"no results in {results}")
@@ -644,12 +660,13 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
     s.append("Parts: " + "; ".join(cover) + ".\n\n")
     makers = {"uor": uor_section, "masquerade": masquerade_section,
               "niah": lambda d: niah_section(d, Path(os.path.relpath(results, Path(report).parent))),
-              "fidelity": lambda d: fidelity_section(d, agnostic), "speed": speed_section,
+              "fidelity": lambda d: fidelity_section(d, agnostic),
+              "speed": lambda d: speed_section(d) + (cost_section(cost) if cost else ""),
               "peers": lambda d: peers_section(d, parts.get("niah")),
               "variants": lambda d: variants_section(d, variants_peers)}
     for p, d in parts.items():
         if d is None and p == "variants":
-            s.append("## 7. Beyond the paper: entrokv-edge\n\nNot in this report: `python benchmarks/variants.py` "
+            s.append("## 7. Beyond the paper: entrokv-edge\n\nNot in this report: `python benchmarks/research/variants.py` "
                      "writes its results (results/variants.json).\n\n")
         elif d is None:
             s.append(f"## {p}\n\nNot run in this report.\n" + (agnostic_section(agnostic) if p == "fidelity" and

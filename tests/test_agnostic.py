@@ -1,4 +1,4 @@
-"""benchmarks/agnostic.py: its question-agnostic score sources on a real model (SmolLM2).
+"""benchmarks/research/agnostic.py: its question-agnostic score sources on a real model (SmolLM2).
 
 The sources run on the cache after a prompt and must leave it as it was (the eviction and
 the answer follow on that cache); the chunk-tail scores are checked against the tails
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks" / "research"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _harness as H  # noqa: E402

@@ -120,7 +120,7 @@ def test_fidelity_and_speed_measured(quick):
 @pytest.fixture(scope="module")
 def variants(quick):
     out = quick / "variants.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "variants.py"), "--quick", "--split", "all",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "research" / "variants.py"), "--quick", "--split", "all",
                         "--models", "smollm2-135m", "--configs", "page-entrokv", "entrokv-edge", "edge:P8",
                         "oracle:P1+max", "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -168,15 +168,23 @@ def test_variants_keep_the_budget_and_are_graded_against_the_full_cache(variants
     assert len(pooled) == 1 and f"| {len(cases)} |" in pooled[0]
 
 
-def test_eviction_cost_times_every_setting_on_the_same_prompt():
+def test_eviction_cost_times_every_setting_on_the_same_prompt(tmp_path):
+    out = tmp_path / "cost.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eviction_cost.py"), "--models", "smollm2-135m",
-                        "--lengths", "1024", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+                        "--lengths", "1024", "--repeats", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("smollm2-135m")]
     assert len(lines) == 1
     n, *secs = lines[0].split()[1:]
     assert 1000 <= int(n) <= 1024 and len(secs) == 6 and all(float(x) > 0 for x in secs[:5])
     assert 1 <= int(secs[5]) <= 24          # the default's draft decoded tokens (the answer is not empty)
+    rows = {x["setting"]: x for x in json.loads(out.read_text())["data"]["rows"]}
+    assert len(rows) == 4 and all(x["r"] == 3 and x["tokens"] == int(n) for x in rows.values())
+    for x in rows.values():                 # the parts add up to the whole eviction (within timer overhead)
+        parts = x["draft_s"] + x["select_s"] + x["compact_s"] + x["metrics_s"]
+        assert 0 < parts <= x["total_s"] * 1.001 + 1e-4 and x["select_s"] > 0 and x["compact_s"] > 0
+    assert rows["page-entrokv"]["draft_s"] < 1e-3 < rows["entrokv-edge (lookahead=24)"]["draft_s"]
 
 
 def _fidelity_rows(kl: dict, kept: dict) -> list[dict]:

@@ -1,4 +1,4 @@
-"""benchmarks/variants_peers.py end to end on one short prompt: kvpress's presses get a KL
+"""benchmarks/research/variants_peers.py end to end on one short prompt: kvpress's presses get a KL
 against kvpress's own full-cache answer, and a press that keeps everything (budget 1.0,
 compression_ratio 0) has none, which is what shows the teacher forcing lines up with the
 reference. Needs the peers' environment (benchmarks/peers_env.sh); CI has none."""
@@ -27,7 +27,7 @@ def run(tmp_path_factory, smollm2):
     out.write_text(json.dumps({"meta": {}, "data": {"rows": [
         dict(old, config="kvpress-expected"), dict(old, config="kvpress-snapkv"),
         dict(old, config="kvpress-snapkv", length=2048), dict(old, config="kvpress-snapkv", depth=20)]}}))
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "variants_peers.py"), "--split", "tune",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "research" / "variants_peers.py"), "--split", "tune",
                         "--lengths", "1024", "--depths", "50", "--systems", ",".join(SYSTEMS),
                         "--budgets", "0.2", "1.0", "--threads", "2", "--out", str(out)],
                        capture_output=True, text=True, timeout=600)

@@ -8,6 +8,7 @@ observation window switched on, selects pages with its policy and compacts the c
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +80,7 @@ class PageEntroKV:
         after the observed window (no score yet) get their head's mean score.
         ``n_keep``: pages to keep instead of the budget's (the runtime's capacity limit)."""
         cfg = self.config
+        t0 = time.perf_counter()
         g = geometry(llm)
         n = g.pos_max + 1
         if n <= 0 or scores.pos_last > g.pos_max:
@@ -96,14 +98,19 @@ class PageEntroKV:
         values = self._values_by_position(llm, tp_now, n, L, G) if cfg.value_power > 0 else None
         sel = select(s, r, cfg, n, available=available, n_keep=n_keep, values=values)
         positions = pages_to_positions(sel.pages, cfg.page_size, n)
+        t1 = time.perf_counter()
         if cfg.policy != "full":
             if fresh:
                 cells = positions.reshape(L * G, -1)
             else:
                 cells = self._cells_of(tp_now, positions.reshape(L * G, -1), n)
             compact(llm, cells)
+        t2 = time.perf_counter()
         result = EvictionResult(sel, positions)
         result.metrics = self._metrics(llm, s, r, sel, positions, n, needles)
+        # where the time went: selection (scores to kept positions), compaction, the metrics (UOR replay etc.)
+        result.metrics["timing"] = {"select_s": t1 - t0, "compact_s": t2 - t1,
+                                    "metrics_s": time.perf_counter() - t2}
         return result
 
     @staticmethod

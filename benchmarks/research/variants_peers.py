@@ -2,7 +2,7 @@
 presses, their answers graded as variants.py grades ours, and their KL(full || compressed) along
 the full cache's answer (nats, mean over the answer), the number issue 7 compares.
 
-    python benchmarks/variants_peers.py [--split tune|heldout|heldout2|heldout3|heldout4|both] [--lengths 2048 4096 8192]
+    python benchmarks/research/variants_peers.py [--split tune|heldout|heldout2|heldout3|heldout4|both] [--lengths 2048 4096 8192]
         [--models smollm2-135m [gemma3-270m]] [--systems kvpress-snapkv,...] [--budgets 0.2]
         [--depths ...] [--threads N] [--quick] [--out benchmarks/results/variants_peers.json]
 
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))        # the benchmarks' shared modules
 
 import entrokv_edge as ek  # noqa: E402
 
@@ -98,7 +98,7 @@ def run_peers(model: str, cases: list[dict], systems, threads: int) -> list[dict
         inp, res = Path(tmp) / "cases.jsonl", Path(tmp) / "rows.jsonl"
         inp.write_text("".join(json.dumps(c) + "\n" for c in cases))
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
-        r = subprocess.run([str(evidence.PEERS_VENV), str(HERE / "peers.py"), "--gguf",
+        r = subprocess.run([str(evidence.PEERS_VENV), str(HERE.parent / "peers.py"), "--gguf",
                             str(ek.models.model_path(model)), "--in", str(inp), "--out", str(res),
                             "--threads", str(threads), "--systems", ",".join(systems), "--kl"], env=env)
         if r.returncode != 0 or not res.exists():
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="peers.py systems, comma-separated")
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.2])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default=str(HERE / "results" / "variants_peers.json"))
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "variants_peers.json"))
     args = ap.parse_args(argv)
     if not evidence.PEERS_VENV.exists():
         print(f"no peers environment ({evidence.PEERS_VENV}): run bash benchmarks/peers_env.sh", file=sys.stderr)
