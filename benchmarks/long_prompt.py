@@ -1,48 +1,194 @@
-"""A prompt far longer than the cache: 16k tokens through a 2048-cell cache (SmolLM2).
+"""Documents bigger than the cache: prompts read in pieces through a small EntroKVLlama cache,
+every eviction between pieces guided by the prompt's end (the option ``guide``) or not, paired
+against the full cache on the same prompts.
 
-    python benchmarks/long_prompt.py [--tokens 16384] [--kv-cells 2048] [--budget 1024]
+    python benchmarks/long_prompt.py [--quick] [--parts needle,fidelity] [--models ...]
+        [--split tune|heldout] [--lengths 8192 16384] [--cells 1024 2048] [--configs ...]
+        [--out benchmarks/results/long_prompt.json]
 
-Prints the logical and kept tokens, the evictions, the KV bytes of a full cache vs those
-held, the prefill speed and the peak RSS of the process.
+needle: a document with one planted fact and the question after it (benchmarks/research/variants.py's
+needle kinds, greedy answers of up to 24 tokens, right when the answer holds the number), at
+each length the model's training context allows. Per prompt: the full cache (a plain llama.cpp
+cache holding the whole prompt) and, for each cache size and configuration, EntroKVLlama with
+that many cells reading the same tokens (``eval``: pieces, evictions, the final eviction to
+what the cache keeps). Configurations: "piecewise" (no guide: each eviction scored by its own
+piece's last window, as before the option existed), "guided" (the defaults) and the variants in
+CONFIGS.
+
+fidelity: the fidelity judge's QA and code prompts (benchmarks/fidelity.py, 2k tokens, question
+at the end) read through a cache of a quarter of their length; KL(full || evicted) along the
+full cache's greedy answer (64 tokens), against the whole prompt evicted once, after it, to the
+same number of tokens ("one eviction", the same policy and defaults).
+
+Splits: "tune" chose the guide's defaults (pass-key and meeting-room needles, essays from #0,
+depths 10/50/90); "heldout" (drawer, safe and gate needles, essays from #30, depths 15-95) ran
+once after that choice was committed. Rows carry the commit; results merge by (part, model, split).
 """
 from __future__ import annotations
 
 import argparse
-import resource
+import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-import entrokv_edge as ek
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+import entrokv_edge as ek  # noqa: E402
+
+import _harness as H  # noqa: E402
+import fidelity  # noqa: E402
+from _needles import magic_prompt  # noqa: E402
+
+CONFIGS = {
+    "piecewise": dict(guide=0),
+    "guided": dict(),                                   # the defaults (EvictionConfig: guide, guide_share, ...)
+    "guide64": dict(guide=64),
+    "guide-share0.5": dict(guide_share=0.5),
+    "guide+draft8": dict(guide_draft=8),
+}
+SPLITS = {
+    "tune": dict(offset=0, kinds=["passkey", "room"], depths=[10, 50, 90]),
+    "heldout": dict(offset=30, kinds=["drawer", "safe", "gate"], depths=[15, 35, 55, 75, 95]),
+}
+FULL = dict(lengths=[8192, 16384], cells=[1024, 2048], max_answer=24, fid_tokens=64)
+QUICK = dict(lengths=[1024], cells=[256], max_answer=8, fid_tokens=8)
 
 
-def main() -> int:
+def _runtime(model: str, cells: int, n_logical: int):
+    return ek.EntroKVLlama(str(ek.models.model_path(model)), n_ctx=cells, n_batch=512, n_ubatch=512,
+                           logical_ctx=n_logical, verbose=False, seed=0, n_threads=H.threads(),
+                           n_threads_batch=H.threads())
+
+
+def _read(llm, tokens: list[int], cfg: ek.EvictionConfig) -> dict:
+    """Read ``tokens`` into ``llm`` (EntroKVLlama, emptied first) with ``cfg``; its costs."""
+    llm.reset()
+    llm.controller = ek.PageEntroKV(cfg)
+    before = (llm.n_evictions, llm.eviction_s, llm.n_guided, llm.guide_s)
+    t0 = time.perf_counter()
+    llm.eval(tokens)
+    return {"prefill_s": time.perf_counter() - t0, "evictions": llm.n_evictions - before[0],
+            "eviction_s": llm.eviction_s - before[1], "guided": llm.n_guided - before[2],
+            "guide_s": llm.guide_s - before[3], "kept_tokens": ek.geometry(llm).n_used}
+
+
+def _answer(llm, n: int, stop) -> str:
+    return llm.detokenize(H.greedy(llm, H.logits(llm), n, stop)).decode("utf-8", errors="replace")
+
+
+def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, commit: str, log=print) -> list[dict]:
+    sp = SPLITS[split]
+    rows = []
+    for model in models:
+        fits = [n for n in lengths if n <= H.train_context(model)]
+        if not fits:
+            continue
+        full = H.load(model, max(fits) + max_answer + 64)
+        stop = H.stop_tokens(full)
+        small = {c: _runtime(model, c, max(fits) + 1024) for c in cells}
+        for length in fits:
+            for i, depth in enumerate(sp["depths"]):
+                kind = sp["kinds"][i % len(sp["kinds"])]
+                p, number = magic_prompt(full, length, depth, sp["offset"], seed=length * 1000 + depth, kind=kind)
+                base = {"model": model, "split": split, "length": len(p.tokens), "target_length": length,
+                        "depth": depth, "kind": kind, "commit": commit}
+                C = ek.llama_cpp
+                C.llama_memory_clear(full._ctx.memory, True)
+                full.reset()
+                t0 = time.perf_counter()
+                full.eval(p.tokens)
+                t_full = time.perf_counter() - t0
+                ans = _answer(full, max_answer, stop)
+                rows.append({**base, "config": "full", "cells": len(p.tokens) + max_answer + 64, "answer": ans,
+                             "correct": number in ans.replace(",", ""), "prefill_s": t_full,
+                             "kept_tokens": len(p.tokens)})
+                for c in cells:
+                    for name, kw in configs.items():
+                        r = _read(small[c], p.tokens, ek.EvictionConfig(**kw))
+                        ans = _answer(small[c], max_answer, stop)
+                        rows.append({**base, "config": name, "cells": c, "answer": ans,
+                                     "correct": number in ans.replace(",", ""), **r})
+                got = {(r["config"], r["cells"]): int(r["correct"]) for r in rows if r["depth"] == depth
+                       and r["target_length"] == length and r["model"] == model}
+                log(f"long needle {model} {split} {length} depth {depth} ({kind}): " +
+                    ", ".join(f"{k[0]}@{k[1]} {v}" for k, v in got.items()))
+        full.close()
+        for llm in small.values():
+            llm.close()
+    return rows
+
+
+def fidelity_rows(models, tokens: int, n_qa: int, n_code: int, length: int, commit: str, log=print) -> list[dict]:
+    """KL(full || evicted) along the full cache's answer: the prompt read through a cache of a
+    quarter of its length (guided and piecewise) vs the whole prompt evicted once to the same
+    number of tokens."""
+    rows = []
+    cells = length // 4
+    for model in models:
+        full = H.load(model, length + tokens + 256)
+        stop = H.stop_tokens(full)
+        small = _runtime(model, cells, length + tokens + 256)
+        budget = small._capacity_pages() * small.config.page_size      # what the small cache keeps
+        for p in fidelity.qa_prompts(full, n_qa, length) + fidelity.code_prompts(full, n_code, length):
+            snap = H.prefill(full, p)["inside"]
+            H.restore(full, snap)
+            ref = H.greedy(full, snap.logits, tokens, stop) or [int(np.argmax(snap.logits))]
+            H.restore(full, snap)
+            full_lp = fidelity._follow(full, snap.logits, ref)
+            base = {"model": model, "kind": p.meta["kind"], "source": p.meta["source"], "tokens": len(ref),
+                    "prompt_tokens": len(p.tokens), "cells": cells, "commit": commit}
+            m = H.evict_from(full, snap, ek.EvictionConfig(budget=budget))
+            lp = fidelity._follow(full, snap.logits, ref)
+            rows.append({**base, "config": "one eviction", "kl_mean": float(np.mean(fidelity._kl(full_lp, lp))),
+                         "kept_tokens": int(m["kept_tokens"])})
+            for name in ("piecewise", "guided"):
+                r = _read(small, p.tokens, ek.EvictionConfig(**CONFIGS[name]))
+                lp = fidelity._follow(small, H.logits(small), ref)
+                rows.append({**base, "config": name, "kl_mean": float(np.mean(fidelity._kl(full_lp, lp))), **r})
+            log(f"long fidelity {model} {p.meta['kind']} {p.meta['source']}: " + ", ".join(
+                f"{r['config']} {r['kl_mean']:.3f}" for r in rows[-3:]))
+        full.close()
+        small.close()
+    return rows
+
+
+def main(argv=None) -> int:
+    import evidence
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--kv-cells", type=int, default=2048)
-    ap.add_argument("--budget", type=int, default=1024)
-    args = ap.parse_args()
-    llm = ek.EntroKVLlama(str(ek.models.model_path(args.model)), n_ctx=args.kv_cells, budget=args.budget,
-                          logical_ctx=args.tokens + 1024, verbose=False)
-    toks = [int(t) for t in np.random.default_rng(0).integers(100, llm.n_vocab() - 100, args.tokens)]
-    t0 = time.perf_counter()
-    llm.eval(toks)
-    t_prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(64):
-        llm.eval([int(np.argmax(np.ctypeslib.as_array(ek.llama_cpp.llama_get_logits_ith(llm.ctx, -1),
-                                                        shape=(llm.n_vocab(),))))])
-    t_decode = time.perf_counter() - t0
-    rep = llm.kv_report()
-    mib = 1 << 20
-    print(f"logical tokens {rep['logical_tokens']}, kept {rep['kept_tokens']} in {rep['kv_cells']} cells, "
-          f"{rep['evictions']} evictions")
-    print(f"KV: {rep['kv_bytes_full'] / mib:.1f} MiB for a full cache, {rep['kv_bytes_allocated'] / mib:.1f} MiB "
-          f"allocated, {rep['kv_bytes_kept'] / mib:.1f} MiB held")
-    print(f"prefill {args.tokens / t_prefill:.0f} tok/s ({t_prefill:.1f} s), decode {64 / t_decode:.1f} tok/s, "
-          f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parts", default="needle,fidelity")
+    ap.add_argument("--models", nargs="+", default=H.MODELS)
+    ap.add_argument("--split", choices=list(SPLITS), default="heldout")
+    ap.add_argument("--lengths", type=int, nargs="+")
+    ap.add_argument("--cells", type=int, nargs="+")
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["piecewise", "guided"])
+    ap.add_argument("--out", default=str(HERE / "results" / "long_prompt.json"))
+    args = ap.parse_args(argv)
+    g = QUICK if args.quick else FULL
+    parts = [p for p in args.parts.split(",") if p]
+    if set(parts) - {"needle", "fidelity"}:
+        ap.error("parts: needle, fidelity")
+    commit, t0 = evidence.commit_id(), time.perf_counter()
+    rows = []
+    if "needle" in parts:
+        rows += [{"part": "needle", **r} for r in needle_rows(
+            args.models, args.split, args.lengths or g["lengths"], args.cells or g["cells"],
+            {k: CONFIGS[k] for k in args.configs}, g["max_answer"], commit)]
+    if "fidelity" in parts:
+        f = fidelity.QUICK if args.quick else fidelity.FULL
+        rows += [{"part": "fidelity", "split": "fidelity", **r} for r in fidelity_rows(
+            args.models, g["fid_tokens"], f["n_qa"], f["n_code"], f["length"], commit)]
+    settings = {**g, "splits": SPLITS, "configs": {k: CONFIGS[k] for k in args.configs}, "threads": H.threads(),
+                "defaults": {k: getattr(ek.EvictionConfig(), k) for k in ("guide", "guide_share", "guide_draft")}}
+    evidence.merge_rows(args.out, evidence.meta("quick" if args.quick else "full", settings,
+                                                time.perf_counter() - t0, commit), rows,
+                        key=lambda r: (r["part"], r["model"], r["split"]),
+                        redo={(r["part"], r["model"], r["split"]) for r in rows})
+    print(f"{len(rows)} rows -> {args.out} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 

@@ -18,7 +18,7 @@ own tokenization (pipe.preprocess) of the text, for GGUFs whose tokenizer transf
 wrongly (Gemma 3: a Unigram model instead of SentencePiece BPE).
 
 "kl" (or --kl for every case): the kvpress systems also measure KL(full || compressed) along the
-full cache's answer, as benchmarks/variants.py does for our policies. The reference is greedy
+full cache's answer, as benchmarks/research/variants.py does for our policies. The reference is greedy
 decoding on kvpress's uncompressed cache (same prompt, same placement), up to max_new_tokens tokens,
 stopping at EOS / end-of-turn (not included); an empty reference is replaced by its first token
 (the stop token), so the first distribution alone is compared. It is computed once per prompt and

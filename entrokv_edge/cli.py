@@ -1,11 +1,10 @@
-"""The ``entrokv-edge`` command: run a prompt, chat, or inspect a model's heads, on a
-bounded KV cache with Page-EntroKV eviction.
+"""The ``entrokv-edge`` command.
 
-    entrokv-edge run -m smollm2-135m -f essay.txt -p "Who wrote it?" --kv-cells 1024 --budget 0.2
+    entrokv-edge run -m smollm2-135m -f docs/sample.txt -p "Who found the ledger?" --kv-cells 1024
     entrokv-edge chat -m model.gguf --kv-cells 2048
     entrokv-edge inspect -m smollm2-135m -f essay.txt --png heads.png
-    entrokv-edge rpc-server --host 127.0.0.1 --port 50052     # (a -DGGML_RPC=ON build)
-    entrokv-edge run -m smollm2-135m -p "Hi" --rpc 127.0.0.1:50052 --n-gpu-layers 99
+    entrokv-edge run ... --set page_size=16 --set lookahead=0      # any setting (docs/options.md)
+    entrokv-edge rpc-server --host 127.0.0.1 --port 50052           # (a -DGGML_RPC=ON build; docs/gpu.md)
 
 Bad input gets one line on stderr and exit status 2; nothing prints a traceback.
 """
@@ -13,15 +12,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import sys
 import time
+import typing
 from pathlib import Path
 
-from .controller import POLICIES, EvictionConfig
-from .controller.config import EDGE_DEFAULTS, OFF
+from .controller import EvictionConfig
+from .controller.config import DEFAULT_BUDGET
 
 EXIT_USAGE = 2
+DESCRIPTION = ("Answer a prompt, chat or inspect a model's heads with a KV cache of bounded size: Page-EntroKV "
+               "eviction inside llama.cpp.")
 
 
 class CLIError(Exception):
@@ -36,51 +39,38 @@ def _budget(text: str):
     return v if ("." in text or "e" in text.lower()) else int(v)
 
 
+# the policies a user picks between on the command line; every other one (the baselines the method is compared
+# with) stays reachable through --set policy=NAME
+MAIN_POLICIES = ("entrokv-edge", "page-entrokv", "streaming", "full")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="entrokv-edge", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="entrokv-edge", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-m", "--model", required=True, help="a .gguf file, or a registered name (entrokv-models list)")
-    common.add_argument("--kv-cells", type=int, help="physical KV cache, in cells (default: the prompt fits)")
-    common.add_argument("--budget", type=_budget, default=0.2, help="tokens kept per KV head: a fraction of the prompt or a count")
-    common.add_argument("--page-size", type=int, help=f"tokens per page (default: entrokv-edge "
-                                                          f"{EDGE_DEFAULTS['page_size']}, the other policies {OFF['page_size']})")
-    common.add_argument("--window", type=int, default=32, help="observation window (last w prompt tokens)")
-    common.add_argument("--sinks", type=int, default=4)
-    common.add_argument("--recent", type=int, help="recent tokens always kept (default: the window)")
-    common.add_argument("--tau", type=float, default=1.0)
-    common.add_argument("--policy", choices=POLICIES, default="entrokv-edge",
-                        help="default entrokv-edge (our variant); page-entrokv: the method as published")
-    common.add_argument("--pool", type=int, help=f"entrokv-edge: max-pooling width over key positions "
-                                                   f"(default {EDGE_DEFAULTS['pool']})")
-    common.add_argument("--spread", type=int, help=f"entrokv-edge: keys after an attended key that share its score "
-                        f"(default {EDGE_DEFAULTS['spread']})")
-    common.add_argument("--decay", type=float, help=f"entrokv-edge: the spread's discount per key, in (0, 1] "
-                        f"(default {EDGE_DEFAULTS['decay']})")
-    common.add_argument("--value-power", type=float, help=f"entrokv-edge: scores times ||v||^a, a in [0, 4] "
-                        f"(default {EDGE_DEFAULTS['value_power']}; 0: off)")
-    common.add_argument("--lookahead", type=int, help=f"entrokv-edge: tokens drafted with the whole cache whose attention "
-                        f"joins the window's before the eviction (default {EDGE_DEFAULTS['lookahead']}; 0: off)")
-    common.add_argument("--lookahead-share", type=float, help=f"entrokv-edge: the draft's share of the mixed scores, "
-                        f"in [0, 1] (default {EDGE_DEFAULTS['lookahead_share']}; 0: each query one vote)")
-    common.add_argument("--consensus", type=float, help="entrokv-edge: share of free pages kept by every buffer")
-    common.add_argument("--entropy-region", choices=("sinks", "evictable"), help="entrokv-edge: keys of the entropy")
-    common.add_argument("--head-pool", choices=("entropy", "max", "rank"), help="entrokv-edge: pooling of a group's heads")
-    common.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    common.add_argument("--kv-cells", type=int, metavar="N", help="the KV cache, in tokens (default: the prompt and the answer fit)")
+    common.add_argument("--budget", type=_budget, metavar="B", help="tokens each KV head keeps after the prompt: a fraction of "
+                        "it (0.2) or a count (512); default: what --kv-cells can keep, or "
+                        f"{DEFAULT_BUDGET} of the prompt when the cache is sized to it")
+    common.add_argument("--policy", choices=MAIN_POLICIES, help="what is kept: entrokv-edge (default), page-entrokv "
+                        "(the method as published), streaming (sinks and recent tokens), full (no eviction)")
+    common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other setting (docs/options.md), e.g. --set page_size=16; repeatable")
+    common.add_argument("--config", metavar="FILE", help="settings from a JSON object (--set and flags win)")
+    common.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: llama.cpp's)")
+    common.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers (and their cache) on a GPU; -1: all")
+    common.add_argument("--rpc", action="append", metavar="HOST:PORT", help=argparse.SUPPRESS)   # docs/gpu.md
     common.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
-    common.add_argument("--n-gpu-layers", type=int, default=0,
-                        help="layers (and their KV cache) on the GPU or RPC devices; -1: all (default 0)")
-    common.add_argument("--rpc", action="append", metavar="HOST:PORT",
-                        help="use an RPC server (entrokv-edge rpc-server); repeat for several")
     for name, help_ in (("run", "answer one prompt"), ("chat", "interactive chat"), ("inspect", "per-head statistics")):
-        p = sub.add_parser(name, parents=[common], help=help_)
+        p = sub.add_parser(name, parents=[common], help=help_, description=help_)
         if name != "chat":
             p.add_argument("-f", "--file", help="a text file to put before the prompt")
             p.add_argument("-p", "--prompt", default="", help="the prompt (after the file)")
             p.add_argument("--json", action="store_true", help="one JSON object on stdout")
         if name != "inspect":
-            p.add_argument("--max-tokens", type=int, default=256)
-            p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+            p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="the answer's length at most (default 256)")
+            p.add_argument("--temp", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
             p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
         if name == "inspect":
             p.add_argument("--png", help="also write the figures to this PNG (needs matplotlib)")
@@ -146,15 +136,51 @@ def _quiet_llama() -> None:
     llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
 
 
+def _parse_value(key: str, text: str):
+    """A --set value as the setting's type (int, float, text; "none" where None is allowed)."""
+    hints = typing.get_type_hints(EvictionConfig)
+    kinds = set(typing.get_args(hints[key])) or {hints[key]}
+    if text.lower() in ("none", "null") and type(None) in kinds:
+        return None
+    if key == "budget":
+        return _budget(text)
+    for kind in (int, float):
+        if kind in kinds:
+            try:
+                return kind(text)
+            except ValueError:
+                raise CLIError(f"--set {key}: expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+    return text
+
+
 def _settings(args) -> dict:
+    """The EvictionConfig of args: --config's file, then --set, then --budget and --policy."""
+    fields = {f.name for f in dataclasses.fields(EvictionConfig)}
+    given: dict = {}
+    if getattr(args, "config", None):
+        try:
+            data = json.loads(_read_text(args.config))
+        except json.JSONDecodeError as e:
+            raise CLIError(f"{args.config} is not a JSON object of settings ({e.msg}, line {e.lineno})")
+        if not isinstance(data, dict):
+            raise CLIError(f"{args.config} must hold a JSON object of settings, e.g. {{\"page_size\": 16}}")
+        given.update(data)
+    for item in getattr(args, "set", None) or []:
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in fields:
+            raise CLIError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(fields))}")
+        given[key] = _parse_value(key, value.strip())
+    unknown = sorted(set(given) - fields)
+    if unknown:
+        raise CLIError(f"unknown setting(s) {', '.join(unknown)}; settings: {', '.join(sorted(fields))}")
+    if args.budget is not None:
+        given["budget"] = args.budget
+    if args.policy is not None:
+        given["policy"] = args.policy
     try:
-        cfg = EvictionConfig(budget=args.budget, page_size=args.page_size, window=args.window, sinks=args.sinks,
-                             recent=args.recent, tau=args.tau, policy=args.policy, pool=args.pool,
-                             spread=args.spread, decay=args.decay, consensus=args.consensus,
-                             entropy_region=args.entropy_region, head_pool=args.head_pool,
-                             value_power=args.value_power, lookahead=args.lookahead,
-                             lookahead_share=args.lookahead_share)
-    except ValueError as e:
+        cfg = EvictionConfig(**given)
+    except (TypeError, ValueError) as e:
         raise CLIError(str(e).replace("EvictionConfig: ", ""))
     return {"eviction": cfg}
 
@@ -171,14 +197,16 @@ def _load(args, n_prompt: int | None):
         # the prompt and the answer fit beside the quarter the runtime keeps free for new tokens
         need = ((n_prompt or 2048) + max_new + 64) * 4 // 3
         cells = max(256, -(-need // 256) * 256)
+        if cfg.budget is None:      # a cache sized to the prompt: the budget is a share of it
+            cfg = settings["eviction"] = dataclasses.replace(cfg, budget=DEFAULT_BUDGET)
     if cells < 1:
         raise CLIError("--kv-cells must be >= 1")
-    if n_prompt is not None:
+    if n_prompt is not None and cfg.budget is not None:
         try:
             cfg.budget_pages(n_prompt)
         except ValueError as e:
             raise CLIError(str(e))
-        tokens = int(cfg.budget * n_prompt) if isinstance(cfg.budget, float) else cfg.budget
+        tokens = cfg.budget_tokens(n_prompt)
         reserve = max(cfg.window + cfg.page_size, cells // 4)
         if cfg.policy != "full" and tokens > cells - reserve:
             raise CLIError(f"budget of {tokens} tokens is above what a {cells}-cell cache can keep "
@@ -269,10 +297,11 @@ def cmd_run(args) -> int:
     rep = llm.kv_report()
     n_prefill = max(rep["logical_tokens"] - n0 - n_dec, 1)
     m = llm.last_eviction.metrics if llm.last_eviction is not None else {}
-    out = {"answer": answer, "policy": args.policy, "logical_tokens": rep["logical_tokens"],
+    out = {"answer": answer, "policy": llm.config.policy, "logical_tokens": rep["logical_tokens"],
            "kept_tokens": rep["kept_tokens"], "kv_cells": rep["kv_cells"], "kv_bytes_full": rep["kv_bytes_full"],
            "kv_bytes_kept": rep["kv_bytes_kept"], "uor_mean": m.get("uor_mean"), "uor_max": m.get("uor_max"),
-           "evictions": rep["evictions"], "eviction_s": rep["eviction_s"], "prefill_tok_s": n_prefill / max(t_pre, 1e-9),
+           "evictions": rep["evictions"], "eviction_s": rep["eviction_s"], "guided_evictions": rep["guided_evictions"],
+           "guide_s": rep["guide_s"], "prefill_tok_s": n_prefill / max(t_pre, 1e-9),
            "decode_tok_s": n_dec / max(t_dec, 1e-9) if n_dec else 0.0}
     if args.json:
         print(json.dumps(out))
@@ -379,19 +408,19 @@ def cmd_inspect(args) -> int:
         ax[2].imshow([[shade[c] for c in line] for line in rmap], aspect="auto", cmap="Greys", vmin=0, vmax=1,
                      interpolation="nearest")
         step = max(1, -(-(-(-len(toks) // P)) // 96))
-        ax[2].set(title=f"{args.policy}: kept pages (grey: partly)",
+        ax[2].set(title=f"{llm.config.policy}: kept pages (grey: partly)",
                   xlabel=f"page group ({step} page(s) of {P} tokens)", ylabel="layer x KV head")
         fig.tight_layout()
         fig.savefig(args.png, dpi=100)
     if args.json:
-        print(json.dumps({"policy": args.policy, "logical_tokens": m["logical_tokens"],
+        print(json.dumps({"policy": llm.config.policy, "logical_tokens": m["logical_tokens"],
                           "kept_tokens": m["kept_tokens"], "uor_mean": m["uor_mean"], "uor_max": m["uor_max"],
                           "entropies": heads["collision_entropy"], "weights": heads["weights"],
                           "sink_masses": heads["sink_mass"], "masquerade_ratios": heads["masquerade_ratio"],
                           "retained_pages": rmap}))
         return 0
     H2, W, SM, MR = (np.array(heads[k]) for k in ("collision_entropy", "weights", "sink_mass", "masquerade_ratio"))
-    print(f"{m['logical_tokens']} tokens, {m['kept_tokens']} kept per KV head ({args.policy}); "
+    print(f"{m['logical_tokens']} tokens, {m['kept_tokens']} kept per KV head ({llm.config.policy}); "
           f"head-independent UOR mean {m['uor_mean']:.3f} max {m['uor_max']:.3f}")
     print("layer  H2 per query head | weights | sink mass | masquerade ratio")
     for l in range(H2.shape[0]):

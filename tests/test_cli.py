@@ -45,24 +45,28 @@ def test_run_json_has_the_fields_scripts_use(smollm2, doc):
     assert 1.0 <= d["uor_mean"] <= d["uor_max"] <= 3.0 and d["policy"] == "page-entrokv"
 
 
-def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc):
+def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc, tmp_path):
+    """Research settings through --set and --config: same kept tokens for every exact-budget policy."""
     common = ["run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 1024, "--json",
               "--max-tokens", 8]
     runs = {}
     P = EDGE_DEFAULTS["page_size"]          # entrokv-edge's default page size; the others at the same size
-    for extra in (["--policy", "page-entrokv", "--page-size", P], ["--policy", "entrokv-edge"],
-                  ["--policy", "entrokv-edge", "--page-size", P, "--pool", 3, "--spread", 4, "--decay", 0.8,
-                   "--consensus", 0.5, "--entropy-region", "sinks", "--value-power", 2, "--lookahead", 4,
-                   "--lookahead-share", 0.7]):
+    settings = tmp_path / "edge.json"
+    settings.write_text(json.dumps({"pool": 3, "spread": 4, "decay": 0.8, "consensus": 0.5, "entropy_region": "sinks",
+                                    "value_power": 2, "lookahead": 4}))
+    for extra in (["--policy", "page-entrokv", "--set", f"page_size={P}"], ["--policy", "entrokv-edge"],
+                  ["--policy", "entrokv-edge", "--set", f"page-size={P}", "--config", settings,
+                   "--set", "lookahead_share=0.7"],
+                  ["--set", "policy=max-pool", "--set", f"page_size={P}"]):
         rc, out, err = cli(*common, *extra)
         assert rc == 0, err
         runs[" ".join(map(str, extra))] = json.loads(out)
     kept = {d["kept_tokens"] for d in runs.values()}
-    assert len(kept) == 1 and {d["policy"] for d in runs.values()} == {"page-entrokv", "entrokv-edge"}
+    assert len(kept) == 1 and {d["policy"] for d in runs.values()} == {"page-entrokv", "entrokv-edge", "max-pool"}
     assert all(d["answer"].strip() for d in runs.values())
 
 
-@pytest.mark.parametrize("extra", [[], ["--value-power", 2], ["--lookahead", 8]])
+@pytest.mark.parametrize("extra", [[], ["--set", "value_power=2"], ["--set", "lookahead=8"]])
 def test_a_prompt_longer_than_the_cache_runs(smollm2, doc, extra):
     """Evictions between chunks of the prompt: every one after the first works on a cache that
     was evicted before (value_power: the norms mapped from cells to true positions; lookahead:
@@ -101,7 +105,9 @@ def test_chat_with_save_load_and_stats(smollm2, tmp_path):
                                   "budget below protected", "budget above cache", "binary file", "unknown name",
                                   "unsupported architecture", "edge option on another policy", "edge pool even",
                                   "edge spread negative", "edge decay zero", "edge value power", "edge lookahead",
-                                  "edge lookahead share"])
+                                  "edge lookahead share", "unknown setting", "setting without value",
+                                  "setting of the wrong type", "config not json", "config not an object",
+                                  "config missing"])
 def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     from synth import write_model
     notgguf = tmp_path / "x.gguf"
@@ -110,23 +116,31 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     corrupt.write_bytes(b"GGUF" + bytes(64))
     binary = tmp_path / "b.bin"
     binary.write_bytes(bytes(range(256)))
+    listfile = tmp_path / "list.json"
+    listfile.write_text("[1, 2]")
     args = {
         "missing model": ["-m", tmp_path / "nope.gguf", "-p", "hi"],
         "not gguf": ["-m", notgguf, "-p", "hi"],
         "corrupt gguf": ["-m", corrupt, "-p", "hi"],
         "empty prompt": ["-m", smollm2, "-p", "   "],
-        "page size": ["-m", smollm2, "-f", doc, "--page-size", 0],
+        "page size": ["-m", smollm2, "-f", doc, "--set", "page_size=0"],
         "budget below protected": ["-m", smollm2, "-f", doc, "--budget", 0.001],
         "budget above cache": ["-m", smollm2, "-f", doc, "--kv-cells", 512, "--budget", 0.9],
         "binary file": ["-m", smollm2, "-f", binary],
         "unknown name": ["-m", "no-such-model", "-p", "hi"],
-        "edge option on another policy": ["-m", smollm2, "-f", doc, "--policy", "page-entrokv", "--pool", 7],
-        "edge pool even": ["-m", smollm2, "-f", doc, "--policy", "entrokv-edge", "--pool", 4],
-        "edge spread negative": ["-m", smollm2, "-f", doc, "--spread", -2],
-        "edge decay zero": ["-m", smollm2, "-f", doc, "--decay", 0],
-        "edge value power": ["-m", smollm2, "-f", doc, "--value-power", -1],
-        "edge lookahead": ["-m", smollm2, "-f", doc, "--lookahead", 65],
-        "edge lookahead share": ["-m", smollm2, "-f", doc, "--lookahead-share", 1.5],
+        "edge option on another policy": ["-m", smollm2, "-f", doc, "--policy", "page-entrokv", "--set", "pool=7"],
+        "edge pool even": ["-m", smollm2, "-f", doc, "--policy", "entrokv-edge", "--set", "pool=4"],
+        "edge spread negative": ["-m", smollm2, "-f", doc, "--set", "spread=-2"],
+        "edge decay zero": ["-m", smollm2, "-f", doc, "--set", "decay=0"],
+        "edge value power": ["-m", smollm2, "-f", doc, "--set", "value_power=-1"],
+        "edge lookahead": ["-m", smollm2, "-f", doc, "--set", "lookahead=65"],
+        "edge lookahead share": ["-m", smollm2, "-f", doc, "--set", "lookahead_share=1.5"],
+        "unknown setting": ["-m", smollm2, "-f", doc, "--set", "pages=4"],
+        "setting without value": ["-m", smollm2, "-f", doc, "--set", "pool"],
+        "setting of the wrong type": ["-m", smollm2, "-f", doc, "--set", "pool=wide"],
+        "config not json": ["-m", smollm2, "-f", doc, "--config", doc],
+        "config not an object": ["-m", smollm2, "-f", doc, "--config", listfile],
+        "config missing": ["-m", smollm2, "-f", doc, "--config", tmp_path / "none.json"],
         "unsupported architecture": ["-m", write_model(tmp_path / "vl.gguf", arch="qwen2vl", n_head=4, n_head_kv=2),
                                      "-p", "hello there, how are you doing today my friend", "--budget", 1.0],
     }[case]
@@ -139,5 +153,34 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
             "edge decay zero": "decay must be a number in (0, 1]",
             "edge value power": "value_power must be a number in [0, 4]",
             "edge lookahead": "lookahead must be an integer in [0, 64]",
-            "edge lookahead share": "lookahead_share must be a number in [0, 1]"}.get(case)
+            "edge lookahead share": "lookahead_share must be a number in [0, 1]",
+            "unknown setting": "KEY one of", "setting without value": "expected KEY=VALUE",
+            "setting of the wrong type": "expected an integer", "config not json": "is not a JSON object",
+            "config not an object": "must hold a JSON object", "config missing": "cannot read"}.get(case)
     assert want is None or want in lines[0], lines[0]
+
+
+def test_kv_cells_without_a_budget_keeps_what_the_cache_can_hold(smollm2, doc):
+    """The headline use: a document longer than the cache, --kv-cells and no --budget. The budget is
+    what the cache keeps with room for the answer (a quarter of it stays free), not a share of the
+    prompt that might not fit; every eviction between pieces is steered by the prompt's end."""
+    rc, out, err = cli("run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 512, "--json",
+                       "--max-tokens", 4)
+    assert rc == 0, err
+    d = json.loads(out)
+    cap = 512 - 512 // 4
+    assert d["logical_tokens"] > 2 * 512 and d["evictions"] >= 2
+    assert cap - EDGE_DEFAULTS["page_size"] < d["kept_tokens"] <= cap
+    assert d["guided_evictions"] == d["evictions"] - 1 and d["guide_s"] > 0     # all but the one after the prompt
+
+
+def test_help_fits_a_screen_and_names_the_common_flags():
+    rc, out, _ = cli("run", "--help")
+    assert rc == 0 and len(out.splitlines()) <= 45
+    for flag in ("--model", "--file", "--prompt", "--kv-cells", "--budget", "--policy", "--max-tokens", "--temp",
+                 "--threads", "--json", "--set", "--config"):
+        assert flag in out
+    assert "--pool" not in out and "--lookahead" not in out        # research settings: --set
+    rc, out, _ = cli("--help")
+    desc = out.split("\n\n")[1].replace("\n", " ")
+    assert rc == 0 and desc.rstrip().endswith(".")

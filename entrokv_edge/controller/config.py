@@ -9,7 +9,7 @@ METHOD_POLICIES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", 
 # every policy name accepted: the method's, and our own variant (docs/variants in the README)
 POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # entrokv-edge's settings where the user leaves them unset (None); page-entrokv = all off.
-# Chosen by benchmarks/variants.py's rounds (round 4: page_size 4, pool 7, spread 24, decay 0.85, rank; round 6
+# Chosen by benchmarks/research/variants.py's rounds (round 4: page_size 4, pool 7, spread 24, decay 0.85, rank; round 6
 # added lookahead 24; round 7: page_size 2, pool 3, decay 0.7, lookahead_share 0.85; round 1's: page_size 16,
 # pool 7, rank)
 EDGE_DEFAULTS = {"page_size": 2, "pool": 3, "spread": 24, "decay": 0.7, "consensus": 0.0, "entropy_region": "sinks",
@@ -19,6 +19,9 @@ OFF = {"page_size": 16, "pool": 0, "spread": 0, "decay": 1.0, "consensus": 0.0, 
 EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool", "value_power", "lookahead",
                 "lookahead_share")
 MAX_LOOKAHEAD = 64
+# the budget when none is given: a fraction of the prompt for the controller alone (PageEntroKV); EntroKVLlama,
+# which knows its cache, keeps what the cache can hold with room for new tokens instead (runtime/llama.py)
+DEFAULT_BUDGET = 0.2
 ENTROPY_REGIONS = ("sinks", "evictable")
 HEAD_POOLS = ("entropy", "max", "rank")
 
@@ -28,7 +31,8 @@ class EvictionConfig:
     """Page-EntroKV settings (see ../shared/design/page-entrokv.md).
 
     budget     : tokens per group buffer (int >= 1) or a fraction of the prompt (0 < float <= 1);
-                 rounded down to whole pages
+                 rounded down to whole pages. None: EntroKVLlama keeps what its cache can hold with room
+                 for new tokens; the controller alone keeps DEFAULT_BUDGET of the prompt
     page_size  : P, tokens per page
     window     : w, observation window (last w prompt tokens)
     sinks      : s, leading positions isolated as attention sinks and always kept
@@ -67,15 +71,28 @@ class EvictionConfig:
                      mean + x x the drafted tokens' mean; 0: each query one vote (w window
                      queries and d drafted ones: the draft's share is d / (w + d))
     page_size None: 16 (or entrokv-edge's default).
+
+    Every policy but streaming and full, on prompts longer than EntroKVLlama's cache (read in pieces,
+    with an eviction between pieces):
+    guide          : g >= 0 (0: off): before each eviction between pieces, the prompt's last g tokens (the
+                     question and the assistant header that end it; or a guide given to eval) are
+                     evaluated after the piece with their attention observed, then removed again, and
+                     their attention (normalized over the cached keys) joins the piece's window scores,
+                     so that what the end of the prompt asks for survives the evictions before it is read
+                     (FINCH's prompt-guided compression, per (layer, KV group) at the exact budget)
+    guide_share    : x in [0, 1]: the guide's share of the mixed scores, (1 - x) x the piece's window + x x
+                     the guide's
+    guide_draft    : k in [0, MAX_LOOKAHEAD]: tokens drafted greedily after the guide, whose attention
+                     joins the guide's (as lookahead does after a prompt); 0: none
     """
 
-    budget: float | int = 0.2
+    budget: float | int | None = None
     page_size: int | None = None
     window: int = 32
     sinks: int = 4
     recent: int | None = None
     tau: float = 1.0
-    policy: str = "entrokv-edge"        # won the held-out split (benchmarks/variants.py); the method: "page-entrokv"
+    policy: str = "entrokv-edge"        # won the held-out split (benchmarks/research/variants.py); the method: "page-entrokv"
     page_score: str = "sum"
     pool: int | None = None
     spread: int | None = None
@@ -86,6 +103,9 @@ class EvictionConfig:
     value_power: float | None = None
     lookahead: int | None = None
     lookahead_share: float | None = None
+    guide: int = 32
+    guide_share: float = 1.0
+    guide_draft: int = 0
 
     def __post_init__(self):
         def bad(msg):
@@ -128,7 +148,15 @@ class EvictionConfig:
             if on:
                 bad(f"{', '.join(on)}: these options belong to the entrokv-edge policy, not {self.policy!r}")
 
-        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+        if isinstance(self.guide, bool) or not isinstance(self.guide, int) or self.guide < 0:
+            bad(f"guide must be an integer >= 0 (tokens), got {self.guide!r}")
+        if isinstance(self.guide_share, bool) or not isinstance(self.guide_share, (int, float)) or \
+                not (0.0 <= self.guide_share <= 1.0):
+            bad(f"guide_share must be a number in [0, 1], got {self.guide_share!r}")
+        if isinstance(self.guide_draft, bool) or not isinstance(self.guide_draft, int) or \
+                not (0 <= self.guide_draft <= MAX_LOOKAHEAD):
+            bad(f"guide_draft must be an integer in [0, {MAX_LOOKAHEAD}], got {self.guide_draft!r}")
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))):
             bad(f"budget must be a token count or a fraction, got {self.budget!r}")
         if isinstance(self.budget, float) and not (0.0 < self.budget <= 1.0):
             bad(f"a fractional budget must be in (0, 1], got {self.budget}")
@@ -167,11 +195,22 @@ class EvictionConfig:
         recent_pages = set(range(max(0, n_pages - -(-self.rho // self.page_size)), n_pages))
         return sorted(sink_pages | recent_pages)
 
-    def budget_pages(self, n: int) -> int:
-        """N: pages every (layer, group) keeps for a prompt of n tokens (checked)."""
+    def budget_tokens(self, n: int, capacity: int | None = None) -> int:
+        """Token slots per group buffer for a prompt of n tokens: the budget's, or (budget None)
+        ``capacity`` when a cache bounds it, else DEFAULT_BUDGET of the prompt."""
+        budget = self.budget
+        if budget is None:
+            if capacity is not None:
+                return int(capacity)
+            budget = DEFAULT_BUDGET
+        return int(budget * n) if isinstance(budget, float) else int(budget)
+
+    def budget_pages(self, n: int, capacity: int | None = None) -> int:
+        """N: pages every (layer, group) keeps for a prompt of n tokens (checked); ``capacity``:
+        the tokens a cache can keep, which a budget of None means."""
         if self.window > n:
             raise ValueError(f"window w={self.window} is longer than the prompt ({n} tokens)")
-        tokens = int(self.budget * n) if isinstance(self.budget, float) else int(self.budget)
+        tokens = self.budget_tokens(n, capacity)
         # a budget that covers the prompt keeps all of it, the partial last page included
         N = self.n_pages(n) if tokens >= n else min(tokens // self.page_size, self.n_pages(n))
         need = len(self.protected(n))

@@ -21,6 +21,7 @@ from ..bindings import EntroKVError, geometry, restore, set_last_logits, true_po
 from ..bindings.observe import Observation, WindowScores, head_slots
 from ..controller import EvictionConfig, EvictionResult, PageEntroKV
 from ..controller.config import EDGE_OPTIONS, OFF
+from ..controller.guide import guide_scores
 from .._loader import ensure_llama_cpp
 from . import session
 
@@ -35,7 +36,7 @@ class EntroKVLlama(llama_cpp.Llama):
     Extra keyword arguments: the EvictionConfig settings (``budget``, ``page_size``,
     ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``, and entrokv-edge's
     ``pool``, ``spread``, ``decay``, ``consensus``, ``entropy_region``, ``head_pool``,
-    ``value_power``, ``lookahead``, ``lookahead_share``) or
+    ``value_power``, ``lookahead``, ``lookahead_share``; ``guide``, ``guide_share``, ``guide_draft``) or
     ``eviction=EvictionConfig(...)``; ``logical_ctx`` (the longest conversation accepted,
     default: the model's training context); ``progress`` (a callable(done, total) called
     during long prefills); ``rpc_servers`` ("host:port" or a list: llama.cpp RPC servers
@@ -76,6 +77,8 @@ class EntroKVLlama(llama_cpp.Llama):
         self.last_eviction: EvictionResult | None = None
         self.n_evictions = 0
         self.eviction_s = 0.0          # wall time spent in evictions (selection, compaction, lookahead's draft)
+        self.n_guided = 0              # evictions between pieces of a prompt that its guide steered
+        self.guide_s = 0.0             # wall time spent evaluating the guide (and its draft) for them
 
     def close(self) -> None:
         # a constructor that refused its arguments never reached Llama.__init__
@@ -96,11 +99,12 @@ class EntroKVLlama(llama_cpp.Llama):
         return (self.kv_cells - self.reserve) // self.config.page_size
 
     def _budget_pages(self, n: int) -> int:
-        try:
-            N = self.config.budget_pages(n)
+        capacity = self._capacity_pages()
+        try:    # no budget given: what the cache can keep with room for new tokens
+            N = self.config.budget_pages(n, capacity * self.config.page_size)
         except ValueError:
             N = len(self.config.protected(n))
-        return min(N, self._capacity_pages())
+        return min(N, capacity)
 
     def evict(self, n_keep: int | None = None) -> EvictionResult:
         """Evict now, with the freshest window scores, down to ``n_keep`` pages
@@ -172,11 +176,40 @@ class EntroKVLlama(llama_cpp.Llama):
         finally:
             self._generating.release()
 
-    def eval(self, tokens) -> None:
+    def eval(self, tokens, guide=None) -> None:
+        """Evaluate ``tokens`` (a prompt, a turn, or decoded tokens), in pieces with evictions in between
+        when they do not fit the cache. ``guide``: what steers those evictions (the option ``guide``):
+        None, the last ``guide`` tokens of ``tokens`` (the question and the assistant header that end
+        a prompt); else token ids or a text (for a caller that evaluates the document and the question
+        in separate calls); [] or "": none."""
         with self._lock:
-            self._eval(tokens)
+            self._eval(tokens, guide)
 
-    def _eval(self, tokens) -> None:
+    def _guide_tokens(self, tokens: list[int], guide) -> list[int]:
+        cfg = self.config
+        if guide is None:
+            guide = tokens[-cfg.guide:] if cfg.guide else []
+        elif isinstance(guide, str):
+            guide = self.tokenize(guide.encode(), add_bos=False, special=True)
+        guide = [int(t) for t in guide]
+        # after an eviction the cache has at least `reserve` free cells: a piece of a window or more and the guide
+        room = self.reserve - cfg.window
+        return guide[max(len(guide) - room, 0):] if room > 0 else []
+
+    def _evict_between(self, guide: list[int]) -> None:
+        """An eviction between two pieces of a prompt: the guide's attention joins the last piece's
+        window scores first (controller/guide.py)."""
+        ws, cfg = self._window_scores, self.config
+        if guide and ws is not None and cfg.guide_share > 0 and cfg.policy not in ("streaming", "full") \
+                and ws.pos_last == self.n_tokens - 1:
+            t0, stats = time.perf_counter(), {}
+            self._ensure_ids(self.n_tokens + len(guide) + cfg.guide_draft)
+            self._window_scores = guide_scores(self, ws, guide, super().eval, cfg.guide_share, cfg.guide_draft, stats)
+            self.guide_s += time.perf_counter() - t0
+            self.n_guided += stats["guided"] > 0
+        self.evict()
+
+    def _eval(self, tokens, guide=None) -> None:
         tokens = [int(t) for t in tokens]
         if not tokens:
             return
@@ -185,13 +218,16 @@ class EntroKVLlama(llama_cpp.Llama):
         self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
         self._ensure_ids(self.n_tokens + len(tokens))
         w, total, done = self.config.window, len(tokens), 0
+        guide = self._guide_tokens(tokens, guide) if total > self.kv_cells - self._used() else []
         while done < total:
             rest = total - done
             free = self.kv_cells - self._used()
-            if free < min(rest, w) or free <= 0:
-                self.evict()
+            room = len(guide) if rest > free else 0      # cells the guide needs before the next eviction
+            if free - room < min(rest, w) or free <= 0:
+                self._evict_between(guide)
                 free = self.kv_cells - self._used()
-            piece = min(rest, free)
+                room = len(guide) if rest > free else 0
+            piece = min(rest, free - room)
             if piece < rest and rest - piece < w <= rest:
                 piece = rest - w               # leave the last window whole for the final piece
             if piece < rest and piece > self.n_batch:
@@ -223,7 +259,7 @@ class EntroKVLlama(llama_cpp.Llama):
                 "kv_bytes_full": sum(x["bytes_full"] for x in layers),
                 "kv_bytes_kept": sum(x["bytes_held"] for x in layers),
                 "kv_bytes_allocated": g.kv_size * g.bytes_per_cell, "evictions": self.n_evictions,
-                "eviction_s": self.eviction_s,
+                "eviction_s": self.eviction_s, "guided_evictions": self.n_guided, "guide_s": self.guide_s,
                 "layers": layers}
 
     def save_session(self, path: str | Path, extra: dict | None = None) -> None:
