@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 # the method doc's policy and the baselines it must be compared with
 METHOD_POLICIES = ("page-entrokv", "mean-pool", "max-pool", "head-independent", "no-isolation", "streaming", "full")
-# every policy name accepted: the method's, and our own variant (docs/variants in the README)
+# every policy name accepted: the method's, and our own variant (docs/method.md, "entrokv-edge")
 POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # entrokv-edge's settings where the user leaves them unset (None); page-entrokv = all off.
 # Chosen by benchmarks/research/variants.py's rounds (round 4: page_size 4, pool 7, spread 24, decay 0.85, rank; round 6
@@ -28,7 +28,7 @@ HEAD_POOLS = ("entropy", "max", "rank")
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    """Page-EntroKV settings (see ../shared/design/page-entrokv.md).
+    """Page-EntroKV settings (definitions: docs/method.md; every setting: docs/options.md).
 
     budget     : tokens per group buffer (int >= 1) or a fraction of the prompt (0 < float <= 1);
                  rounded down to whole pages. None: EntroKVLlama keeps what its cache can hold with room

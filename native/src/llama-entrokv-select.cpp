@@ -1,5 +1,5 @@
 // EntroKV Edge: the Page-EntroKV selection in C, for programs that use the method with
-// no Python. Definitions: ../shared/design/page-entrokv.md; the Python controller
+// no Python. Definitions: docs/method.md; the Python controller
 // (entrokv_edge/controller) implements the same and a test checks they agree.
 //
 // For each (layer, group): sink-isolated distributions p of the group's query heads,

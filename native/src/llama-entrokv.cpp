@@ -1,6 +1,7 @@
 // EntroKV Edge: geometry and per-(layer, KV head) compaction of llama.cpp's KV cache.
 // See native/include/llama-entrokv.h for the contract and
-// ../shared/design/llama-cpp-notes.md for the llama.cpp facts this relies on.
+// docs/development.md ("The llama.cpp internals our native code relies on") for the
+// llama.cpp facts this relies on.
 
 #include "llama-entrokv.h"
 #include "llama-entrokv-impl.h"
