@@ -268,7 +268,7 @@ class EntroKVLlama(llama_cpp.Llama):
             logits = np.ctypeslib.as_array(last, shape=(self.n_vocab(),)).copy() if last else np.zeros(0, np.float32)
             return session.EntroKVState(
                 input_ids=np.asarray(self.input_ids[: self.n_tokens], dtype=np.int32).copy(), n_tokens=self.n_tokens,
-                llama_state=bytes(buf[:n_bytes]), seed=int(self._seed), logits=logits, true_pos=tp,
+                llama_state=llama_cpp.ctypes.string_at(buf, n_bytes), seed=int(self._seed), logits=logits, true_pos=tp,
                 window_scores=self._window_scores, settings={k: getattr(self.config, k) for k in _SETTINGS},
                 identity=self._identity())
 
