@@ -75,6 +75,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self._window_scores: WindowScores | None = None
         self.last_eviction: EvictionResult | None = None
         self.n_evictions = 0
+        self.n_evaluated = 0           # tokens given to eval since construction (the lookahead draft not counted)
         self.eviction_s = 0.0          # wall time spent in evictions (selection, compaction, lookahead's draft)
 
     def close(self) -> None:
@@ -180,6 +181,7 @@ class EntroKVLlama(llama_cpp.Llama):
         tokens = [int(t) for t in tokens]
         if not tokens:
             return
+        self.n_evaluated += len(tokens)
         if self.n_tokens == 0:
             self._window_scores = None
         self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
