@@ -6,6 +6,7 @@ bounded KV cache with Page-EntroKV eviction.
     entrokv-edge inspect -m smollm2-135m -f essay.txt --png heads.png
     entrokv-edge rpc-server --host 127.0.0.1 --port 50052     # (a -DGGML_RPC=ON build)
     entrokv-edge run -m smollm2-135m -p "Hi" --rpc 127.0.0.1:50052 --n-gpu-layers 99
+    entrokv-edge serve -m smollm2-135m --kv-cells 2048 --port 8000      # OpenAI-compatible HTTP (server extra)
 
 Bad input gets one line on stderr and exit status 2; nothing prints a traceback.
 """
@@ -91,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="CPU threads (default: all)")
     p.add_argument("--cache-dir", help="keep received tensors here, so a model is sent once")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
+    from . import server                # serve: its flags and its logic live in server.py
+    server.add_parser(sub, common)
     return ap
 
 
@@ -414,6 +417,11 @@ def cmd_rpc_server(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .server import main as serve
+    return serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .bindings import EntroKVError
@@ -421,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_llama()
     try:
         return {"run": cmd_run, "chat": cmd_chat, "inspect": cmd_inspect,
-                "rpc-server": cmd_rpc_server}[args.cmd](args)
+                "rpc-server": cmd_rpc_server, "serve": cmd_serve}[args.cmd](args)
     except CLIError as e:
         print(f"entrokv-edge: {e}", file=sys.stderr)
         return EXIT_USAGE
