@@ -4,6 +4,7 @@
     entrokv-edge chat -m model.gguf --kv-cells 2048
     entrokv-edge inspect -m smollm2-135m -f essay.txt --png heads.png
     entrokv-edge run ... --set page_size=16 --set lookahead=0      # any setting (docs/options.md)
+    entrokv-edge serve -m smollm2-135m --kv-cells 2048 --port 8000  # OpenAI-compatible HTTP (docs/server.md)
     entrokv-edge rpc-server --host 127.0.0.1 --port 50052           # (a -DGGML_RPC=ON build; docs/gpu.md)
 
 Bad input gets one line on stderr and exit status 2; nothing prints a traceback.
@@ -23,8 +24,8 @@ from .controller import EvictionConfig
 from .controller.config import DEFAULT_BUDGET
 
 EXIT_USAGE = 2
-DESCRIPTION = ("Answer a prompt, chat or inspect a model's heads with a KV cache of bounded size: Page-EntroKV "
-               "eviction inside llama.cpp.")
+DESCRIPTION = ("Answer a prompt, chat, serve or inspect a model's heads with a KV cache of bounded size: "
+               "Page-EntroKV eviction inside llama.cpp.")
 
 
 class CLIError(Exception):
@@ -81,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="CPU threads (default: all)")
     p.add_argument("--cache-dir", help="keep received tensors here, so a model is sent once")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
+    from . import server                # serve: its flags and its logic live in server.py
+    server.add_parser(sub, common)
     return ap
 
 
@@ -443,6 +446,11 @@ def cmd_rpc_server(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .server import main as serve
+    return serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .bindings import EntroKVError
@@ -450,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_llama()
     try:
         return {"run": cmd_run, "chat": cmd_chat, "inspect": cmd_inspect,
-                "rpc-server": cmd_rpc_server}[args.cmd](args)
+                "rpc-server": cmd_rpc_server, "serve": cmd_serve}[args.cmd](args)
     except CLIError as e:
         print(f"entrokv-edge: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -76,6 +76,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self._window_scores: WindowScores | None = None
         self.last_eviction: EvictionResult | None = None
         self.n_evictions = 0
+        self.n_evaluated = 0           # tokens given to eval since construction (the lookahead draft not counted)
         self.eviction_s = 0.0          # wall time spent in evictions (selection, compaction, lookahead's draft)
         self.n_guided = 0              # evictions between pieces of a prompt that its guide steered
         self.guide_s = 0.0             # wall time spent evaluating the guide (and its draft) for them
@@ -213,6 +214,7 @@ class EntroKVLlama(llama_cpp.Llama):
         tokens = [int(t) for t in tokens]
         if not tokens:
             return
+        self.n_evaluated += len(tokens)
         if self.n_tokens == 0:
             self._window_scores = None
         self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
@@ -304,7 +306,7 @@ class EntroKVLlama(llama_cpp.Llama):
             logits = np.ctypeslib.as_array(last, shape=(self.n_vocab(),)).copy() if last else np.zeros(0, np.float32)
             return session.EntroKVState(
                 input_ids=np.asarray(self.input_ids[: self.n_tokens], dtype=np.int32).copy(), n_tokens=self.n_tokens,
-                llama_state=bytes(buf[:n_bytes]), seed=int(self._seed), logits=logits, true_pos=tp,
+                llama_state=llama_cpp.ctypes.string_at(buf, n_bytes), seed=int(self._seed), logits=logits, true_pos=tp,
                 window_scores=self._window_scores, settings={k: getattr(self.config, k) for k in _SETTINGS},
                 identity=self._identity())
 
