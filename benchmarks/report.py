@@ -291,6 +291,78 @@ def cost_section(d) -> str:
     return "".join(s)
 
 
+def long_prompt_section(d) -> str:
+    """Section 8 from results/long_prompt.json (benchmarks/long_prompt.py): documents bigger than the
+    cache, read in pieces, with and without the guide, against the full cache on the same prompts."""
+    rows, m = d["data"]["rows"], d["meta"]
+    s = ["## 8. Documents bigger than the cache\n\n",
+         "`benchmarks/long_prompt.py`: the prompt is read through a small EntroKVLlama cache in pieces, with an "
+         "eviction between pieces; **guided**: each of those evictions also scored by the attention of the prompt's "
+         "last tokens (the question and the assistant header; the option `guide`), evaluated after the piece and "
+         "removed again; **piecewise**: scored by each piece's own last window only (`guide=0`). Every run ends with "
+         "the final eviction to what the cache keeps (a quarter of the cache stays free). Commits of the rows: "
+         + ", ".join(f"`{c}`" for c in sorted({r.get("commit", "?") for r in rows})) + ".\n\n"]
+    nd = [r for r in rows if r["part"] == "needle"]
+    for split in sorted({r["split"] for r in nd}):
+        sr = [r for r in nd if r["split"] == split]
+        key = lambda r: (r["model"], r["target_length"], r["depth"])  # noqa: E731
+        full = {key(r): r for r in sr if r["config"] == "full"}
+        configs = [c for c in dict.fromkeys(r["config"] for r in sr) if c != "full"]
+        table = []
+        for mdl, n, cells in sorted({(r["model"], r["target_length"], r["cells"]) for r in sr if r["config"] != "full"}):
+            ks = [k for k in full if k[:2] == (mdl, n)]
+            right = [k for k in ks if full[k]["correct"]]
+            line = [mdl, f"{n // 1024}k", cells, len(ks), len(right)]
+            for c in configs:
+                x = {key(r): r for r in sr if r["config"] == c and r["cells"] == cells and (r["model"], r["target_length"]) == (mdl, n)}
+                kept = sum(bool(x[k]["correct"]) for k in right if k in x)
+                pre = [full[k]["prefill_s"] / x[k]["prefill_s"] for k in ks if k in x]
+                line.append(f"{kept}/{len(right)} ({sum(bool(v['correct']) for v in x.values())}), "
+                            f"{float(np.median(pre)) if pre else 0:.2f}x" if x else "")
+            table.append(line)
+        s.append(f"**Needles, {split} split** (per model, length and cache: prompts, the full cache's right answers, "
+                 "then per configuration the full cache's right answers it keeps (its right answers in all) and its "
+                 "prefill speed against the full cache's, median):\n\n")
+        s.append(_table(["model", "length", "cells", "prompts", "full right"] + configs, table))
+        if "guided" in configs and "piecewise" in configs:
+            g = {(key(r), r["cells"]): r["correct"] for r in sr if r["config"] == "guided"}
+            p = {(key(r), r["cells"]): r["correct"] for r in sr if r["config"] == "piecewise"}
+            both = [k for k in g if k in p]
+            w, lo = sum(g[k] > p[k] for k in both), sum(g[k] < p[k] for k in both)
+            s.append(f"\nPaired, guided against piecewise on the same prompt and cache: "
+                     f"{_verdict(w, lo, len(both) - w - lo, 'needle answers')}.\n")
+            right = [k for k in both if full[k[0]]["correct"]]
+            kept = sum(bool(g[k]) for k in right)
+            if right:
+                s.append(f"Guided keeps {kept} of the full cache's {len(right)} right answers "
+                         f"({100 * kept / len(right):.0f}%; piecewise {sum(bool(p[k]) for k in right)}).\n")
+        cost = [r for r in sr if r["config"] == "guided" and r.get("guided")]
+        if cost:
+            share = [r["guide_s"] / r["prefill_s"] for r in cost]
+            s.append(f"The guide's own cost: {float(np.median(share)) * 100:.1f}% of the guided prefill's time (median; "
+                     f"{float(np.median([r['guided'] for r in cost])):.0f} guided evictions per prompt).\n\n")
+    fr = [r for r in rows if r["part"] == "fidelity"]
+    if fr:
+        key = lambda r: (r["model"], r["kind"], r["source"])  # noqa: E731
+        by = {(r["config"], key(r)): r for r in fr}
+        table = []
+        for mdl in sorted({r["model"] for r in fr}):
+            mr = [r for r in fr if r["model"] == mdl]
+            mean = {c: float(np.mean([r["kl_mean"] for r in mr if r["config"] == c])) for c in ("one eviction", "piecewise", "guided")}
+            ks = [key(r) for r in mr if r["config"] == "guided"]
+            w = sum(by[("guided", k)]["kl_mean"] < by[("piecewise", k)]["kl_mean"] for k in ks)
+            lo = sum(by[("guided", k)]["kl_mean"] > by[("piecewise", k)]["kl_mean"] for k in ks)
+            table.append([mdl, len(ks), mr[0]["cells"], mr[0].get("kept_tokens"), mean["one eviction"], mean["piecewise"],
+                          mean["guided"], f"{mean['guided'] / max(mean['one eviction'], 1e-12):.2f}x",
+                          f"{w}-{lo} (p {sign_test(w, lo):.3g})"])
+        s.append("**Fidelity through a cache of a quarter of the prompt** (the fidelity judge's QA and code prompts, "
+                 "question at the end; KL(full || evicted) along the full cache's 64-token answer; \"one eviction\": "
+                 "the whole prompt in the cache, evicted once after it to the same number of tokens):\n\n")
+        s.append(_table(["model", "prompts", "cells", "kept", "one eviction KL", "piecewise KL", "guided KL",
+                         "guided / one eviction", "guided vs piecewise (wins-losses)"], table))
+    return "".join(s)
+
+
 def _speed_model(rows, model, policies) -> str:
     mib = 2 ** 20
     med = lambda xs: float(np.median(xs))  # noqa: E731
@@ -331,12 +403,15 @@ def _speed_model(rows, model, policies) -> str:
         if e is None or p is None:
             continue
         ev_txt = f", evictions {e['eviction_s']:.1f} s in all" if "eviction_s" in e else ""
+        if e.get("guided_evictions"):
+            ev_txt += f", {e['guided_evictions']} guided by the prompt's end ({e['guide_s']:.1f} s)"
         s.append(f"- {e['tokens']} tokens through {e['kv_cells']} cells, {pol} ({e.get('evictions', 0)} evictions"
                  f"{ev_txt}): KV allocated {e['kv_bytes_allocated'] / mib:.1f} MiB vs "
                  f"{p['kv_bytes_allocated'] / mib:.1f} MiB for the full cache "
                  f"({p['kv_bytes_allocated'] / e['kv_bytes_allocated']:.1f}x less), peak RSS "
-                 f"{e['peak_rss_mib']:.0f} vs {p['peak_rss_mib']:.0f} MiB, prefill {e['prefill_tok_s']:.0f} vs "
-                 f"{p['prefill_tok_s']:.0f} tok/s, decode {e['decode_tok_s']:.1f} vs {p['decode_tok_s']:.1f} tok/s.\n")
+                 f"{e['peak_rss_mib']:.0f} vs {p['peak_rss_mib']:.0f} MiB "
+                 f"({e['peak_rss_mib'] / p['peak_rss_mib']:.2f}x), prefill {e['prefill_tok_s']:.0f} vs "
+                 f"{p['prefill_tok_s']:.0f} tok/s ({e['prefill_tok_s'] / p['prefill_tok_s']:.2f}x), decode {e['decode_tok_s']:.1f} vs {p['decode_tok_s']:.1f} tok/s.\n")
     return "".join(s)
 
 
@@ -630,6 +705,7 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
     variants_peers = _load(results, "variants_peers")
     agnostic = _load(results, "agnostic")
     cost = _load(results, "eviction_cost")
+    long_prompt = _load(results, "long_prompt")
     any_meta = next((v["meta"] for v in parts.values() if v), None)
     if any_meta is None:
         raise SystemExit(f"no results in {results}")
@@ -673,6 +749,8 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
                                                                   agnostic else "") + "\n")
         else:
             s.append(makers[p](d) + "\n")
+    if long_prompt:
+        s.append(long_prompt_section(long_prompt) + "\n")
     Path(report).write_text("".join(s))
 
 

@@ -13,7 +13,8 @@ and the default, entrokv-edge):
   each running plain and every policy in turn, each round starting with the next one, so
   that drift on a shared machine and the order hit them alike (the report takes medians);
 - a prompt of 16k tokens through a 2048-cell EntroKVLlama cache (budget 1024) against the
-  full 16k cache (once).
+  full 16k cache (once); the evictions between its pieces are guided by its last tokens (the
+  option guide), whose cost is reported apart (guide_s).
 KV bytes: what llama.cpp allocated for the cache, and what the page accounting says is
 held after the last eviction.
 """
@@ -74,7 +75,8 @@ def _one(spec: dict) -> dict:
     if spec["mode"] != "plain":
         rep = llm.kv_report()
         out.update(evictions=rep["evictions"], eviction_s=rep["eviction_s"], kept_tokens=rep["kept_tokens"],
-                   kv_bytes_full=rep["kv_bytes_full"], kv_bytes_kept=rep["kv_bytes_kept"])
+                   kv_bytes_full=rep["kv_bytes_full"], kv_bytes_kept=rep["kv_bytes_kept"],
+                   guided_evictions=rep["guided_evictions"], guide_s=rep["guide_s"])
     llm.close()
     return out
 

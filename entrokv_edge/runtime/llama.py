@@ -215,8 +215,9 @@ class EntroKVLlama(llama_cpp.Llama):
         if not tokens:
             return
         self.n_evaluated += len(tokens)
-        if self.n_tokens == 0:
-            self._window_scores = None
+        ws = self._window_scores
+        if self.n_tokens == 0 or (ws is not None and ws.pos_last >= self.n_tokens):
+            self._window_scores = None      # observed on tokens that are gone (a prefix reuse cut them)
         self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
         self._ensure_ids(self.n_tokens + len(tokens))
         w, total, done = self.config.window, len(tokens), 0
