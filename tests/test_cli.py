@@ -170,7 +170,7 @@ def test_kv_cells_without_a_budget_keeps_what_the_cache_can_hold(smollm2, doc):
     d = json.loads(out)
     cap = 512 - 512 // 4
     assert d["logical_tokens"] > 2 * 512 and d["evictions"] >= 2
-    assert cap - EDGE_DEFAULTS["page_size"] < d["kept_tokens"] <= cap
+    assert cap - EDGE_DEFAULTS["page_size"] < d["kept_tokens"] <= cap + 3     # + up to 3 tokens decoded after it
     assert d["guided_evictions"] == d["evictions"] - 1 and d["guide_s"] > 0     # all but the one after the prompt
 
 
