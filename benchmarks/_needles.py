@@ -15,14 +15,17 @@ ANIMALS = ["otter", "falcon", "badger", "heron", "lynx", "marten", "ibis", "geck
 COLOURS = ["red", "blue", "green", "yellow", "orange", "purple", "white", "black", "grey", "brown", "silver", "golden"]
 
 
-def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str = "magic") -> tuple[H.Prompt, str]:
+def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str = "magic",
+                 question_first: bool = False) -> tuple[H.Prompt, str]:
     """A needle with a key and a number: its prompt (needlehaystack's construction, our needle
     and question) and the expected number. kind "magic": RULER's form, a city and 7 digits;
     "passkey": a coloured door's pass key, 5 digits; "room": a person's meeting room, 3 digits,
     followed by a floor number (the answer sits mid-sentence); "gate": a flight's gate, a letter
     and 2 digits; "locker": the code of a locker with an animal sticker, 4 digits; "drawer": the
     drawer of a spare key, 3 digits, the question asking for the number only; "safe": the
-    combination of a coloured safe, 6 digits, the question asking for the number."""
+    combination of a coloured safe, 6 digits, the question asking for the number. question_first: the
+    user turn is the question, a blank line and the document (meta["question_tokens"]: the question's
+    tokens there), instead of the document, a blank line and the question."""
     rng = random.Random(seed)
     if kind == "magic":
         key, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
@@ -54,7 +57,9 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str
         question = f"What is the combination of the {key} safe in the archive? Answer with the number."
     else:
         raise ValueError(f"unknown needle kind {kind!r}")
-    head, tail = H.chat_parts(llm, question, system=False)
+    head, tail = H.chat_parts(llm, "" if question_first else question, system=False)
+    q_first = H.text_tokens(llm, question + "\n\n") if question_first else []
+    head = head + q_first
     nt = H.text_tokens(llm, needle)
     ctx = niah.haystack_tokens(llm, length - len(head) - len(tail) - len(nt), offset)
     at = int(len(ctx) * depth / 100)
@@ -64,5 +69,6 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str
     doc = ctx[:at] + nt + ctx[at:]
     p = H.Prompt(head + doc, tail, needle=list(range(start, start + len(nt))),
                  meta={"length": length, "depth": depth, "offset": offset, "key": key, "question": question,
+                       "question_tokens": q_first,
                        "context": llm.detokenize(doc).decode("utf-8", errors="replace")})
     return p, number

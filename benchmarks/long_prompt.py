@@ -21,8 +21,17 @@ full cache's greedy answer (64 tokens), against the whole prompt evicted once, a
 same number of tokens ("one eviction", the same policy and defaults).
 
 Splits: "tune" chose the guide's defaults (pass-key and meeting-room needles, essays from #0,
-depths 10/50/90); "heldout" (drawer, safe and gate needles, essays from #30, depths 15-95) ran
-once after that choice was committed. Rows carry the commit; results merge by (part, model, split).
+depths 10/50/90); "tune-first" is tune with the question before the document (the guide of the
+prompt's end then holds no question; "guide=question+end" gives eval the question's tokens and the
+prompt's end instead); "heldout" (drawer, safe and gate needles, essays from #30, depths 15-95)
+ran once after that choice was committed. Rows carry the commit; results merge by (part, model,
+split).
+
+The choice (SmolLM2-135M, 4k tokens through 1024 cells, commit 388afa8+, before heldout was built
+or run): the full cache answered 1 of the 3 tune prompts; piecewise 0; guided (guide=32,
+guide_share=1, no draft), guide64, guide-share0.5 and guide+draft8 each 2 (the same two prompts,
+one of them one the full cache missed). No variant answered more than the defaults, which cost
+least (no draft, the shortest guide), so they stay; heldout runs piecewise against guided.
 """
 from __future__ import annotations
 
@@ -49,9 +58,12 @@ CONFIGS = {
     "guide64": dict(guide=64),
     "guide-share0.5": dict(guide_share=0.5),
     "guide+draft8": dict(guide_draft=8),
+    # the defaults with the guide given to eval: the question (where it comes first) and the prompt's end
+    "guide=question+end": dict(guide_from="question"),
 }
 SPLITS = {
     "tune": dict(offset=0, kinds=["passkey", "room"], depths=[10, 50, 90]),
+    "tune-first": dict(offset=0, kinds=["passkey", "room"], depths=[10, 50, 90], question_first=True),
     "heldout": dict(offset=30, kinds=["drawer", "safe", "gate"], depths=[15, 35, 55, 75, 95]),
 }
 FULL = dict(lengths=[8192, 16384], cells=[1024, 2048], max_answer=24, fid_tokens=64)
@@ -64,13 +76,14 @@ def _runtime(model: str, cells: int, n_logical: int):
                            n_threads_batch=H.threads())
 
 
-def _read(llm, tokens: list[int], cfg: ek.EvictionConfig) -> dict:
-    """Read ``tokens`` into ``llm`` (EntroKVLlama, emptied first) with ``cfg``; its costs."""
+def _read(llm, tokens: list[int], cfg: ek.EvictionConfig, guide=None) -> dict:
+    """Read ``tokens`` into ``llm`` (EntroKVLlama, emptied first) with ``cfg`` (and ``guide``, given to
+    eval: None for its automatic one); its costs."""
     llm.reset()
     llm.controller = ek.PageEntroKV(cfg)
     before = (llm.n_evictions, llm.eviction_s, llm.n_guided, llm.guide_s)
     t0 = time.perf_counter()
-    llm.eval(tokens)
+    llm.eval(tokens, guide=guide)
     return {"prefill_s": time.perf_counter() - t0, "evictions": llm.n_evictions - before[0],
             "eviction_s": llm.eviction_s - before[1], "guided": llm.n_guided - before[2],
             "guide_s": llm.guide_s - before[3], "kept_tokens": ek.geometry(llm).n_used}
@@ -93,7 +106,8 @@ def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, co
         for length in fits:
             for i, depth in enumerate(sp["depths"]):
                 kind = sp["kinds"][i % len(sp["kinds"])]
-                p, number = magic_prompt(full, length, depth, sp["offset"], seed=length * 1000 + depth, kind=kind)
+                p, number = magic_prompt(full, length, depth, sp["offset"], seed=length * 1000 + depth, kind=kind,
+                                         question_first=sp.get("question_first", False))
                 base = {"model": model, "split": split, "length": len(p.tokens), "target_length": length,
                         "depth": depth, "kind": kind, "commit": commit}
                 C = ek.llama_cpp
@@ -108,7 +122,11 @@ def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, co
                              "kept_tokens": len(p.tokens)})
                 for c in cells:
                     for name, kw in configs.items():
-                        r = _read(small[c], p.tokens, ek.EvictionConfig(**kw))
+                        kw = dict(kw)
+                        guide = None
+                        if kw.pop("guide_from", None) == "question":
+                            guide = p.meta["question_tokens"] + p.tokens[-ek.EvictionConfig(**kw).guide:]
+                        r = _read(small[c], p.tokens, ek.EvictionConfig(**kw), guide)
                         ans = _answer(small[c], max_answer, stop)
                         rows.append({**base, "config": name, "cells": c, "answer": ans,
                                      "correct": number in ans.replace(",", ""), **r})
