@@ -252,3 +252,31 @@ def test_head_stats_without_page_all_equal_those_with_it(P, n, sinks, seed):
     assert lean.page_all is None and full.page_all.shape == full.page_iso.shape
     for f in ("page_iso", "mass_iso", "mass_all", "c_iso", "c_all", "flagged", "uniform_pages"):
         assert np.array_equal(getattr(full, f), getattr(lean, f)), f
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -1e-6])
+def test_both_selectors_refuse_scores_that_are_not_attention_weights(bad):
+    """A NaN, an infinity or a negative score: the C selector refuses it (INVALID_ARG, naming
+    where), the Python one raises ValueError; -0.0 and zeros are attention weights."""
+    from entrokv_edge import EntroKVError
+    s = np.random.default_rng(0).dirichlet(np.full(64, 0.5), size=(2, 6)).astype(np.float32)
+    cfg = EvictionConfig(budget=32, page_size=4, window=8, policy="page-entrokv")
+    ok = s.copy()
+    ok[0, 1, 5], ok[1, 2] = -0.0, 0.0
+    assert np.array_equal(select_pages_native(ok, 2, budget=32, page_size=4, sinks=4, recent=8),
+                          select(ok.astype(np.float64), 3, cfg).pages)
+    s[1, 4, 17] = bad
+    with pytest.raises(EntroKVError, match=r"INVALID_ARG.*scores\[1\]\[4\]\[17\]"):
+        select_pages_native(s, 2, budget=32, page_size=4, sinks=4, recent=8)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        select(s.astype(np.float64), 3, cfg)
+
+
+@pytest.mark.parametrize("budget", [50, 51, 400])
+def test_a_budget_that_covers_the_positions_keeps_every_page_in_both_selectors(budget):
+    """n = 50 positions in pages of 8 (the last one partial): a budget of n tokens or more keeps all
+    7 pages in C as in Python (C kept budget // 8 = 6 before)."""
+    s = np.random.default_rng(1).dirichlet(np.full(50, 0.5), size=(1, 2)).astype(np.float32)
+    c = select_pages_native(s, 1, budget=budget, page_size=8, sinks=4, recent=8)
+    py = select(s.astype(np.float64), 2, EvictionConfig(budget=budget, page_size=8, window=8, policy="page-entrokv"))
+    assert c.shape == (1, 1, 7) and np.array_equal(c, py.pages)
