@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -22,10 +23,19 @@ from .controller import POLICIES, EvictionConfig
 from .controller.config import EDGE_DEFAULTS, OFF
 
 EXIT_USAGE = 2
+MAX_TEXT_BYTES = 16 << 20       # a -f file larger than this is refused (a model's whole context is far less)
 
 
 class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line on stderr and exit status 2, like every other
+    refusal of the command (argparse's own prints the usage first)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"entrokv-edge: {message} (see {self.prog} --help)\n")
 
 
 def _budget(text: str):
@@ -33,22 +43,48 @@ def _budget(text: str):
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"budget must be a fraction (0.2) or a token count (512), got {text!r}")
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"budget must be a finite number, got {text!r}")
     return v if ("." in text or "e" in text.lower()) else int(v)
 
 
+def _finite(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def _at_least(lo: int):
+    """An argparse type: an integer >= lo."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
+        return v
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="entrokv-edge", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="entrokv-edge", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("-m", "--model", required=True, help="a .gguf file, or a registered name (entrokv-models list)")
-    common.add_argument("--kv-cells", type=int, help="physical KV cache, in cells (default: the prompt fits)")
+    common.add_argument("--kv-cells", type=_at_least(1), help="physical KV cache, in cells, at most the model's "
+                        "context (default: the prompt fits)")
     common.add_argument("--budget", type=_budget, default=0.2, help="tokens kept per KV head: a fraction of the prompt or a count")
     common.add_argument("--page-size", type=int, help=f"tokens per page (default: entrokv-edge "
                                                           f"{EDGE_DEFAULTS['page_size']}, the other policies {OFF['page_size']})")
     common.add_argument("--window", type=int, default=32, help="observation window (last w prompt tokens)")
     common.add_argument("--sinks", type=int, default=4)
     common.add_argument("--recent", type=int, help="recent tokens always kept (default: the window)")
-    common.add_argument("--tau", type=float, default=1.0)
+    common.add_argument("--tau", type=_finite, default=1.0)
     common.add_argument("--policy", choices=POLICIES, default="entrokv-edge",
                         help="default entrokv-edge (our variant); page-entrokv: the method as published")
     common.add_argument("--pool", type=int, help=f"entrokv-edge: max-pooling width over key positions "
@@ -66,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--consensus", type=float, help="entrokv-edge: share of free pages kept by every buffer")
     common.add_argument("--entropy-region", choices=("sinks", "evictable"), help="entrokv-edge: keys of the entropy")
     common.add_argument("--head-pool", choices=("entropy", "max", "rank"), help="entrokv-edge: pooling of a group's heads")
-    common.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    common.add_argument("--threads", type=_at_least(1), help="CPU threads (default: llama.cpp's; at most 512)")
     common.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
     common.add_argument("--n-gpu-layers", type=int, default=0,
                         help="layers (and their KV cache) on the GPU or RPC devices; -1: all (default 0)")
@@ -79,8 +115,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("-p", "--prompt", default="", help="the prompt (after the file)")
             p.add_argument("--json", action="store_true", help="one JSON object on stdout")
         if name != "inspect":
-            p.add_argument("--max-tokens", type=int, default=256)
-            p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+            p.add_argument("--max-tokens", type=int, default=256,
+                           help="answer length (<= 0: until the model stops or its context ends)")
+            p.add_argument("--temp", type=_finite, default=0.0, help="sampling temperature (0: greedy)")
             p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
         if name == "inspect":
             p.add_argument("--png", help="also write the figures to this PNG (needs matplotlib)")
@@ -88,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback; the protocol "
                    "has no authentication: expose it only on a trusted network)")
     p.add_argument("--port", type=int, default=50052)
-    p.add_argument("--threads", type=int, help="CPU threads (default: all)")
+    p.add_argument("--threads", type=_at_least(1), help="CPU threads (default: all; at most 512)")
     p.add_argument("--cache-dir", help="keep received tensors here, so a model is sent once")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
     return ap
@@ -96,9 +133,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _read_text(path: str) -> str:
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:      # at most MAX_TEXT_BYTES + 1 bytes: a device or a huge file ends here
+            data = f.read(MAX_TEXT_BYTES + 1)
     except OSError as e:
         raise CLIError(f"cannot read {path}: {e.strerror or e}")
+    if len(data) > MAX_TEXT_BYTES:
+        raise CLIError(f"{path} is larger than {MAX_TEXT_BYTES >> 20} MiB: far more text than a model's context")
     if b"\0" in data:
         raise CLIError(f"{path} is not a text file")
     try:
@@ -165,14 +205,18 @@ def _load(args, n_prompt: int | None):
     path = _model_file(args.model)
     settings = _settings(args)
     cfg = settings["eviction"]
-    max_new = getattr(args, "max_tokens", 0) or 0
+    max_new = max(getattr(args, "max_tokens", 0) or 0, 0)
+    n_ctx = _context_length(args)
     cells = args.kv_cells
     if cells is None:
         # the prompt and the answer fit beside the quarter the runtime keeps free for new tokens
         need = ((n_prompt or 2048) + max_new + 64) * 4 // 3
-        cells = max(256, -(-need // 256) * 256)
-    if cells < 1:
-        raise CLIError("--kv-cells must be >= 1")
+        cells = min(max(256, -(-need // 256) * 256), max(n_ctx, 256))
+    elif cells > n_ctx:
+        raise CLIError(f"--kv-cells {cells} is more than the model's context ({n_ctx} tokens): "
+                       f"cells beyond it could never hold a token")
+    if n_prompt is not None and n_prompt >= n_ctx:
+        raise CLIError(f"the prompt ({n_prompt} tokens) does not fit the model's context ({n_ctx} tokens)")
     if n_prompt is not None:
         try:
             cfg.budget_pages(n_prompt)
@@ -203,14 +247,30 @@ def _load(args, n_prompt: int | None):
         raise CLIError(msg)
 
 
-def _count_tokens(args, text: str) -> int:
-    import llama_cpp
-    path = _model_file(args.model)
+def _vocab(args):
+    """The model's vocabulary and header (a vocab-only llama_cpp.Llama), loaded once per command."""
+    if getattr(args, "_vocab", None) is None:
+        import llama_cpp
+        path = _model_file(args.model)
+        try:
+            args._vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=args.verbose)
+        except ValueError:
+            raise CLIError(f"{path}: llama.cpp could not load this model (corrupt or unsupported architecture)")
+    return args._vocab
+
+
+def _context_length(args) -> int:
+    """The model's training context (GGUF key <arch>.context_length; a vocab-only model has no
+    hyperparameters): the longest conversation EntroKVLlama accepts."""
+    meta = _vocab(args).metadata
     try:
-        vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=args.verbose)
-    except ValueError:
-        raise CLIError(f"{path}: llama.cpp could not load this model (corrupt or unsupported architecture)")
-    n = len(vocab.tokenize(text.encode()))
+        return int(meta[f"{meta['general.architecture']}.context_length"])
+    except (KeyError, ValueError):
+        raise CLIError(f"{args.model}: the model file does not give its context length")
+
+
+def _count_tokens(args, text: str) -> int:
+    n = len(_vocab(args).tokenize(text.encode()))
     return n + (0 if getattr(args, "raw", True) else 32)   # the chat template's own tokens
 
 
@@ -318,12 +378,17 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         reply = []
-        for chunk in llm.create_chat_completion(messages, max_tokens=args.max_tokens, temperature=args.temp,
-                                                stream=True):
-            piece = chunk["choices"][0]["delta"].get("content", "") or ""
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        try:
+            for chunk in llm.create_chat_completion(messages, max_tokens=args.max_tokens, temperature=args.temp,
+                                                    stream=True):
+                piece = chunk["choices"][0]["delta"].get("content", "") or ""
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except ValueError as e:         # llama-cpp-python's refusal of a conversation longer than the context
+            messages.pop()
+            print(f"entrokv-edge: not answered: {e}", file=sys.stderr)
+            continue
         print()
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0

@@ -101,7 +101,10 @@ def test_chat_with_save_load_and_stats(smollm2, tmp_path):
                                   "budget below protected", "budget above cache", "binary file", "unknown name",
                                   "unsupported architecture", "edge option on another policy", "edge pool even",
                                   "edge spread negative", "edge decay zero", "edge value power", "edge lookahead",
-                                  "edge lookahead share"])
+                                  "edge lookahead share", "empty file", "non-UTF-8 file", "device file", "budget inf",
+                                  "kv-cells above the context", "kv-cells beyond uint32", "threads above ggml",
+                                  "threads zero", "temperature nan", "not an integer", "unknown option",
+                                  "prompt longer than the context"])
 def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     from synth import write_model
     notgguf = tmp_path / "x.gguf"
@@ -110,6 +113,9 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     corrupt.write_bytes(b"GGUF" + bytes(64))
     binary = tmp_path / "b.bin"
     binary.write_bytes(bytes(range(256)))
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e".encode("latin-1"))
+    (tmp_path / "long.txt").write_text("the keeper wrote a ledger of every ship " * 1500)   # ~ 12k tokens > 8192
     args = {
         "missing model": ["-m", tmp_path / "nope.gguf", "-p", "hi"],
         "not gguf": ["-m", notgguf, "-p", "hi"],
@@ -127,6 +133,18 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
         "edge value power": ["-m", smollm2, "-f", doc, "--value-power", -1],
         "edge lookahead": ["-m", smollm2, "-f", doc, "--lookahead", 65],
         "edge lookahead share": ["-m", smollm2, "-f", doc, "--lookahead-share", 1.5],
+        "empty file": ["-m", smollm2, "-f", tmp_path / "empty.txt"],
+        "non-UTF-8 file": ["-m", smollm2, "-f", tmp_path / "latin1.txt"],
+        "device file": ["-m", smollm2, "-f", "/dev/zero"],
+        "budget inf": ["-m", smollm2, "-f", doc, "--budget", "inf"],
+        "kv-cells above the context": ["-m", smollm2, "-f", doc, "--kv-cells", 10**7],
+        "kv-cells beyond uint32": ["-m", smollm2, "-f", doc, "--kv-cells", 2**32 + 1024],
+        "threads above ggml": ["-m", smollm2, "-f", doc, "--threads", 100000],
+        "threads zero": ["-m", smollm2, "-f", doc, "--threads", 0],
+        "temperature nan": ["-m", smollm2, "-f", doc, "--temp", "nan"],
+        "not an integer": ["-m", smollm2, "-f", doc, "--window", "3.5"],
+        "unknown option": ["-m", smollm2, "-f", doc, "--bogus"],
+        "prompt longer than the context": ["-m", smollm2, "-f", tmp_path / "long.txt"],
         "unsupported architecture": ["-m", write_model(tmp_path / "vl.gguf", arch="qwen2vl", n_head=4, n_head_kv=2),
                                      "-p", "hello there, how are you doing today my friend", "--budget", 1.0],
     }[case]
@@ -139,5 +157,26 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
             "edge decay zero": "decay must be a number in (0, 1]",
             "edge value power": "value_power must be a number in [0, 4]",
             "edge lookahead": "lookahead must be an integer in [0, 64]",
-            "edge lookahead share": "lookahead_share must be a number in [0, 1]"}.get(case)
+            "edge lookahead share": "lookahead_share must be a number in [0, 1]",
+            "empty file": "the prompt is empty", "non-UTF-8 file": "not a UTF-8 text file",
+            "device file": "larger than 16 MiB", "budget inf": "budget must be a finite number",
+            "kv-cells above the context": "more than the model's context (8192 tokens)",
+            "kv-cells beyond uint32": "more than the model's context", "threads above ggml": "at most 512",
+            "threads zero": "must be an integer >= 1", "temperature nan": "finite number",
+            "not an integer": "invalid int value", "unknown option": "unrecognized arguments: --bogus",
+            "prompt longer than the context": "does not fit the model's context (8192 tokens)"}.get(case)
     assert want is None or want in lines[0], lines[0]
+
+
+def test_a_chat_message_longer_than_the_context_is_refused_and_the_chat_goes_on(tmp_path):
+    """llama-cpp-python refuses a conversation longer than the model's context with a ValueError:
+    the chat prints one line for it and goes on (it was a traceback)."""
+    from synth import write_model
+    model = write_model(tmp_path / "short.gguf", n_ctx_train=256, seed=4)
+    script = "hello\n" + "abc " * 400 + "\n/stats\n/quit\n"
+    rc, out, err = cli("chat", "-m", model, "--kv-cells", 256, "--budget", 64, "--page-size", 8, "--window", 16,
+                       "--max-tokens", 4, stdin=script)
+    assert rc == 0 and "Traceback" not in err, err
+    assert [l for l in err.splitlines() if l.startswith("entrokv-edge: not answered: ")], err
+    stats = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    assert len(stats) == 1 and stats[0]["logical_tokens"] > 0

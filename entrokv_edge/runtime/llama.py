@@ -29,6 +29,22 @@ llama_cpp = ensure_llama_cpp()
 _SETTINGS = tuple(f.name for f in dataclasses.fields(EvictionConfig))     # every setting, one list
 
 
+MAX_THREADS = 512          # ggml's GGML_MAX_N_THREADS: a larger thread count crashes inside ggml
+
+
+def _check_context_params(kwargs: dict) -> None:
+    """Refuse what llama-cpp-python passes on unchecked and llama.cpp cannot take: more threads than
+    ggml's maximum (a segfault), a cache size outside uint32 (silently truncated)."""
+    for k in ("n_threads", "n_threads_batch"):
+        v = kwargs.get(k)
+        if v is not None and v > MAX_THREADS:
+            raise ValueError(f"{k} must be at most {MAX_THREADS} (ggml's limit), got {v}")
+    for k in ("n_ctx", "n_batch", "n_ubatch"):
+        v = kwargs.get(k)
+        if v is not None and not 0 <= v < 2**32:
+            raise ValueError(f"{k} must be in 0..2^32-1, got {v}")
+
+
 class EntroKVLlama(llama_cpp.Llama):
     """Drop-in ``llama_cpp.Llama`` with Page-EntroKV eviction.
 
@@ -51,6 +67,7 @@ class EntroKVLlama(llama_cpp.Llama):
             raise ValueError("EntroKVLlama does not support logits_all (per-token logits of a logical "
                              "sequence longer than the cache)")
         cfg = eviction if eviction is not None else EvictionConfig(**settings)
+        _check_context_params(kwargs)
         if rpc_servers:
             from .rpc import add_servers
             add_servers(rpc_servers)
