@@ -45,6 +45,15 @@ def _check_context_params(kwargs: dict) -> None:
             raise ValueError(f"{k} must be in 0..2^32-1, got {v}")
 
 
+def _scores_fit(ws: WindowScores, g, n_head: int, n: int) -> bool:
+    """Window scores an eviction of this cache can use: [n_layers, n_head, n_kv] attention weights,
+    the slots' true positions [n_slots, n_kv] and the eligible layers' ids, observed before n."""
+    s, tp = np.asarray(ws.scores), np.asarray(ws.true_pos)
+    return (s.ndim == 3 and s.shape[:2] == (g.n_layers, n_head) and tp.shape == (g.n_slots, s.shape[2])
+            and np.array_equal(np.asarray(ws.layer_ids), [l.il for l in g.layers]) and ws.pos_last < n
+            and int(tp.max(initial=-1)) < n and bool(np.isfinite(s).all()) and bool((s >= 0).all()))
+
+
 class EntroKVLlama(llama_cpp.Llama):
     """Drop-in ``llama_cpp.Llama`` with Page-EntroKV eviction.
 
@@ -304,9 +313,7 @@ class EntroKVLlama(llama_cpp.Llama):
         except (TypeError, ValueError) as e:
             raise session.SessionError(f"cannot load this state: its settings are not valid here ({e})") from None
         n = int(state.n_tokens)
-        if state.logits.size not in (0, self.n_vocab()) or state.true_pos.ndim != 2 or \
-                state.true_pos.shape[0] != geometry(self).n_slots or state.true_pos.shape[1] > self.kv_cells:
-            raise session.SessionError("cannot load this state: its arrays do not fit this cache")
+        self._refuse_unfit(state, n)
         with self._lock:
             backup = self.save_state() if self.n_tokens else None
             try:
@@ -317,15 +324,34 @@ class EntroKVLlama(llama_cpp.Llama):
                     self._apply_state(backup, backup.n_tokens, self.config)
                 else:
                     self.reset()
-                if isinstance(e, EntroKVError) or "refused" in str(e):
+                if isinstance(e, (EntroKVError, session.SessionError)) or "refused" in str(e):
                     raise session.SessionError(f"cannot load this state: {e}") from None
                 raise
+
+    def _refuse_unfit(self, state: session.EntroKVState, n: int) -> None:
+        """SessionError, before anything changes, if the state's arrays cannot belong to this cache
+        and model: logits, true positions, token ids (a token outside the vocabulary would crash
+        llama.cpp later), window scores."""
+        g = geometry(self)
+        ids = np.asarray(state.input_ids)[:n]
+        tp = state.true_pos
+        if state.logits.size not in (0, self.n_vocab()) or tp.ndim != 2 or tp.shape[0] != g.n_slots or \
+                tp.shape[1] > self.kv_cells or n < 0 or ids.size != n or \
+                (n and not 0 <= int(ids.min()) <= int(ids.max()) < self.n_vocab()):
+            raise session.SessionError("cannot load this state: its arrays do not fit this cache")
+        ws = state.window_scores
+        if ws is not None and not _scores_fit(ws, g, llama_cpp.llama_model_n_head(self.model), n):
+            raise session.SessionError("cannot load this state: its window scores do not fit this model and "
+                                       "conversation")
 
     def _apply_state(self, state: session.EntroKVState, n: int, cfg: EvictionConfig) -> None:
         raw = state.llama_state
         buf = (llama_cpp.ctypes.c_uint8 * len(raw)).from_buffer_copy(raw)
         if llama_cpp.llama_state_set_data(self.ctx, buf, len(raw)) != len(raw):
             raise session.SessionError("llama.cpp refused the saved state")
+        pos_max = geometry(self).pos_max
+        if pos_max != n - 1:
+            raise session.SessionError(f"its cache holds positions up to {pos_max}, not the {n} tokens it names")
         self._ensure_ids(n)
         self.input_ids[:n] = state.input_ids[:n]
         self.n_tokens = n
