@@ -9,6 +9,7 @@ compacted cells (the native code refuses it), and an edited history is re-evalua
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -95,9 +96,11 @@ class EntroKVLlama(llama_cpp.Llama):
         self._n_ctx = int(logical_ctx or llama_cpp.llama_model_n_ctx_train(self.model))
         self.progress = progress
         # one instance, one conversation: calls that touch the cache run one at a time (a second thread
-        # waits), and a generation that starts while another is unfinished is refused (see generate)
+        # waits), and while a generation is unfinished, a second one, or a cache call from another
+        # thread, is refused (see generate and _claim)
         self._lock = threading.RLock()
         self._generating = threading.Lock()
+        self._generator_thread: int | None = None
         self._window_scores: WindowScores | None = None
         self.last_eviction: EvictionResult | None = None
         self.n_evictions = 0
@@ -131,7 +134,7 @@ class EntroKVLlama(llama_cpp.Llama):
     def evict(self, n_keep: int | None = None) -> EvictionResult:
         """Evict now, with the freshest window scores, down to ``n_keep`` pages
         (default: the budget for the logical length, within the cache's capacity)."""
-        with self._lock:
+        with self._claim():
             return self._evict(n_keep)
 
     def _evict(self, n_keep: int | None = None) -> EvictionResult:
@@ -188,18 +191,43 @@ class EntroKVLlama(llama_cpp.Llama):
     def generate(self, tokens, *args, **kwargs):
         """llama-cpp-python's generate, one at a time per instance: a generation started while
         another (from any thread) is still unfinished raises RuntimeError, since both would
-        write into the same cache. Finish or close a stream before starting the next."""
+        write into the same cache. Finish or close a stream before starting the next. Each step
+        (up to the next token) holds the cache's lock; between steps, calls from other threads
+        that touch the cache are refused (_claim) until the stream is exhausted or closed."""
         if not self._generating.acquire(blocking=False):
             raise RuntimeError("this EntroKVLlama is already generating (another stream is unfinished, maybe in "
                                "another thread): one instance holds one conversation at a time; finish or close "
                                "the other stream, or give each thread its own instance")
+        inner = super().generate(tokens, *args, **kwargs)
         try:
-            yield from super().generate(tokens, *args, **kwargs)
+            sent = None
+            while True:
+                with self._lock:
+                    self._generator_thread = threading.get_ident()   # whichever thread resumes the stream
+                    try:
+                        token = inner.send(sent)
+                    except StopIteration:
+                        return
+                sent = yield token
         finally:
+            self._generator_thread = None
+            inner.close()
             self._generating.release()
 
-    def eval(self, tokens) -> None:
+    @contextlib.contextmanager
+    def _claim(self):
+        """The cache's lock, for a call that touches the cache; RuntimeError if a generation is
+        unfinished in another thread (its conversation would change under it)."""
         with self._lock:
+            owner = self._generator_thread
+            if owner is not None and owner != threading.get_ident():
+                raise RuntimeError("this EntroKVLlama is generating in another thread (its stream is unfinished): "
+                                   "one instance holds one conversation at a time; finish or close that stream, "
+                                   "or give each thread its own instance")
+            yield
+
+    def eval(self, tokens) -> None:
+        with self._claim():
             self._eval(tokens)
 
     def _eval(self, tokens) -> None:
@@ -233,7 +261,7 @@ class EntroKVLlama(llama_cpp.Llama):
             self.evict()                        # after a prompt: down to the budget
 
     def reset(self) -> None:
-        with self._lock:
+        with self._claim():
             super().reset()
             self._window_scores = None
 
@@ -242,7 +270,8 @@ class EntroKVLlama(llama_cpp.Llama):
     def kv_report(self) -> dict:
         """KV memory of a full cache for the logical length vs what the cache holds now, per layer;
         the evictions so far and the wall time they took (``eviction_s``)."""
-        g = geometry(self)
+        with self._lock:                # a consistent reading, between two steps of another thread's decoding
+            g = geometry(self)
         layers = [{"il": l.il, "bytes_full": self.n_tokens * (l.k_bytes_per_cell + l.v_bytes_per_cell),
                    "bytes_held": g.n_used * (l.k_bytes_per_cell + l.v_bytes_per_cell)} for l in g.layers]
         return {"logical_tokens": self.n_tokens, "kept_tokens": g.n_used, "kv_cells": g.kv_size,
@@ -284,7 +313,7 @@ class EntroKVLlama(llama_cpp.Llama):
         """The whole state in memory: llama.cpp's state, the logical tokens, the true-position
         table, the last logits, the freshest window scores and the settings (what
         llama-cpp-python's caches keep between requests, and what ``save_session`` writes)."""
-        with self._lock:
+        with self._claim():
             size = llama_cpp.llama_state_get_size(self.ctx)
             buf = (llama_cpp.ctypes.c_uint8 * size)()
             n_bytes = llama_cpp.llama_state_get_data(self.ctx, buf, size)
@@ -314,7 +343,7 @@ class EntroKVLlama(llama_cpp.Llama):
             raise session.SessionError(f"cannot load this state: its settings are not valid here ({e})") from None
         n = int(state.n_tokens)
         self._refuse_unfit(state, n)
-        with self._lock:
+        with self._claim():
             backup = self.save_state() if self.n_tokens else None
             try:
                 self._apply_state(state, n, cfg)
