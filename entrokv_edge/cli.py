@@ -38,16 +38,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"entrokv-edge: {message} (see {self.prog} --help)\n")
 
 
-def _budget(text: str):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a fraction (0.2) or a token count (512), got {text!r}")
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"budget must be a finite number, got {text!r}")
-    return v if ("." in text or "e" in text.lower()) else int(v)
-
-
 def _finite(text: str) -> float:
     try:
         v = float(text)
@@ -56,6 +46,14 @@ def _finite(text: str) -> float:
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return v
+
+
+def _budget(text: str):
+    try:
+        v = _finite(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"budget must be a fraction (0.2) or a token count (512), got {text!r}")
+    return v if ("." in text or "e" in text.lower()) else int(v)
 
 
 def _at_least(lo: int):

@@ -159,7 +159,7 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
             "edge lookahead": "lookahead must be an integer in [0, 64]",
             "edge lookahead share": "lookahead_share must be a number in [0, 1]",
             "empty file": "the prompt is empty", "non-UTF-8 file": "not a UTF-8 text file",
-            "device file": "larger than 16 MiB", "budget inf": "budget must be a finite number",
+            "device file": "larger than 16 MiB", "budget inf": "budget must be a fraction (0.2) or a token count",
             "kv-cells above the context": "more than the model's context (8192 tokens)",
             "kv-cells beyond uint32": "more than the model's context", "threads above ggml": "at most 512",
             "threads zero": "must be an integer >= 1", "temperature nan": "finite number",
