@@ -280,3 +280,14 @@ def test_a_budget_that_covers_the_positions_keeps_every_page_in_both_selectors(b
     c = select_pages_native(s, 1, budget=budget, page_size=8, sinks=4, recent=8)
     py = select(s.astype(np.float64), 2, EvictionConfig(budget=budget, page_size=8, window=8, policy="page-entrokv"))
     assert c.shape == (1, 1, 7) and np.array_equal(c, py.pages)
+
+
+def test_an_all_zero_head_ties_its_full_pages_and_the_lowest_win_in_both_selectors():
+    """Found by benchmarks/fuzz.py: an all-zero head is uniform, so its full pages tie exactly; the
+    Python page sums of 1/n_free (14 of them per page) came out one ulp apart on some pages, and
+    Python kept page 4 where C kept page 0 (ties: lower page first)."""
+    s = np.zeros((1, 1, 99), np.float32)
+    cfg = EvictionConfig(budget=28, page_size=14, window=1, sinks=0, recent=1, policy="page-entrokv")
+    py = select(s.astype(np.float64), 1, cfg).pages
+    c = select_pages_native(s, 1, budget=28, page_size=14, sinks=0, recent=1)
+    assert py.tolist() == c.tolist() == [[[0, 7]]]
