@@ -1,8 +1,11 @@
-"""Random input at the C API (tests/fuzzing.py's strategies and checks), derandomized and sized
+"""Random input at the C API and the loaders (the strategies and checks of tests/fuzzing.py,
+fuzz_scores.py and fuzz_inputs.py), derandomized and sized
 so the file runs in well under a minute; benchmarks/fuzz.py runs the same with more examples.
 Never a crash or abort; every refusal raises the documented error and leaves the cache as it was."""
 import pytest
 
+import fuzz_inputs as FI
+import fuzz_scores as FS
 import fuzzing as F
 
 
@@ -13,7 +16,7 @@ def target(synth_models):
 
 @pytest.fixture(scope="module")
 def observer(synth_models):
-    return F.ObserverTarget(synth_models["qwen2-r2"], n_ctx=256)
+    return FS.ObserverTarget(synth_models["qwen2-r2"], n_ctx=256)
 
 
 def test_random_keep_lists_compact_like_the_oracle_or_change_nothing(target):
@@ -23,34 +26,34 @@ def test_random_keep_lists_compact_like_the_oracle_or_change_nothing(target):
 
 
 def test_random_scores_and_parameters_for_the_c_selector():
-    kinds = F.explore(F.selector_cases(), F.check_selector, 300)
+    kinds = F.explore(FS.selector_cases(), FS.check_selector, 300)
     assert kinds["ok"] >= 50 and {"INVALID_ARG", "LIST_LENGTH", "PYTHON"} <= set(kinds), kinds
 
 
 def test_random_observer_windows_toggles_and_decodes(observer):
-    kinds = F.explore(F.observer_ops(), lambda *case: F.check_observer(observer, *case), 60)
+    kinds = F.explore(FS.observer_ops(), lambda *case: FS.check_observer(observer, *case), 60)
     assert any("INVALID_ARG" in k for k in kinds) and any("ok" in k for k in kinds), kinds
 
 
 @pytest.fixture(scope="module")
 def saved(synth_models, tmp_path_factory):
-    return F.SessionTarget(synth_models["llama-r3"], tmp_path_factory.mktemp("sessions"))
+    return FI.SessionTarget(synth_models["llama-r3"], tmp_path_factory.mktemp("sessions"))
 
 
 def test_damaged_session_files_are_refused_or_load_exactly(saved):
-    kinds = F.explore(F.damaged_files(saved.data, saved.marks), lambda *case: F.check_damaged(saved, *case), 100)
+    kinds = F.explore(FI.damaged_files(saved.data, saved.marks), lambda *case: FI.check_damaged(saved, *case), 100)
     assert sum(v for k, v in kinds.items() if k.endswith("SessionError")) >= 50, kinds
 
 
 def test_re_signed_states_that_do_not_fit_are_refused(saved):
-    for defect in F.RESIGNED:                 # every kind, two magnitudes (benchmarks/fuzz.py: random ones)
+    for defect in FI.RESIGNED:                 # every kind, two magnitudes (benchmarks/fuzz.py: random ones)
         for seed in (0, 1):
-            assert F.check_resigned(saved, defect, seed) == defect
+            assert FI.check_resigned(saved, defect, seed) == defect
 
 
 def test_random_command_lines_end_in_an_answer_or_one_line(tmp_path_factory):
-    t = F.CLIFiles(tmp_path_factory.mktemp("cli"))
-    kinds = F.explore(F.cli_args(t), F.check_cli, 30)
+    t = FI.CLIFiles(tmp_path_factory.mktemp("cli"))
+    kinds = F.explore(FI.cli_args(t), FI.check_cli, 30)
     assert kinds["ok"] >= 2 and sum(kinds.values()) - kinds["ok"] >= 20, kinds
 
 
