@@ -219,7 +219,7 @@ def evict_from(llm, snap: Snapshot, cfg: ek.EvictionConfig, needles=None, scores
     restore(llm, snap)
     if cfg.policy == "full":
         return {"policy": "full", "kept_tokens": snap.n_tokens}
-    ctl = ek.PageEntroKV(cfg)     # with lookahead the draft runs on the restored, whole cache, as after a prefill
+    ctl = ek.EvictionController(cfg)     # with lookahead the draft runs on the restored, whole cache, as after a prefill
     scores = ctl.draft_scores(llm, snap.scores if scores is None else scores, llm.eval)
     return ctl.evict(llm, scores, needles=needles).metrics
 

@@ -5,7 +5,7 @@
 
 Per model and length: one needle prompt of benchmarks/research/variants.py's heldout4 split (depth 50)
 is prefilled once with its tail observed and snapshotted (llama_state_seq_*); each setting then
-restores the snapshot and evicts to 20% through PageEntroKV.evict (selection in numpy and the
+restores the snapshot and evicts to 20% through EvictionController.evict (selection in numpy and the
 per-head compaction), the settings interleaved round by round; medians of the rounds. Also the
 native read of the value norms alone (llama_entrokv_value_norms, what value_power adds). With
 lookahead (entrokv-edge's default) the timed eviction includes its draft (up to k tokens decoded with
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                 for name, kw in SETTINGS.items():
                     H.restore(llm, snap)
                     cfg = ek.EvictionConfig(budget=0.2, **kw)
-                    ctl, stats = ek.PageEntroKV(cfg), {}
+                    ctl, stats = ek.EvictionController(cfg), {}
                     t0 = time.perf_counter()
                     scores = ctl.draft_scores(llm, snap.scores, llm.eval, stats)
                     t1 = time.perf_counter()

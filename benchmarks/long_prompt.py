@@ -80,7 +80,7 @@ def _read(llm, tokens: list[int], cfg: ek.EvictionConfig, guide=None) -> dict:
     """Read ``tokens`` into ``llm`` (EntroKVLlama, emptied first) with ``cfg`` (and ``guide``, given to
     eval: None for its automatic one); its costs."""
     llm.reset()
-    llm.controller = ek.PageEntroKV(cfg)
+    llm.controller = ek.EvictionController(cfg)
     before = (llm.n_evictions, llm.eviction_s, llm.n_guided, llm.guide_s)
     t0 = time.perf_counter()
     llm.eval(tokens, guide=guide)

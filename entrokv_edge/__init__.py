@@ -25,7 +25,7 @@ from .bindings import (  # noqa: E402
 )
 
 from .bindings.observe import Observation, WindowScores  # noqa: E402
-from .controller import METHOD_POLICIES, POLICIES, EvictionConfig, EvictionResult, PageEntroKV  # noqa: E402
+from .controller import METHOD_POLICIES, POLICIES, EvictionConfig, EvictionController, EvictionResult, PageEntroKV  # noqa: E402
 from .runtime import EntroKVLlama, EntroKVState, SessionError  # noqa: E402
 
 __version__ = "0.1.0"
@@ -39,6 +39,7 @@ __all__ = [
     "EvictionConfig",
     "EvictionResult",
     "Observation",
+    "EvictionController",
     "PageEntroKV",
     "SessionError",
     "WindowScores",

@@ -15,6 +15,7 @@ import argparse
 import ctypes
 import dataclasses
 import json
+import math
 import sys
 import time
 import typing
@@ -26,16 +27,35 @@ from .controller.config import DEFAULT_BUDGET
 EXIT_USAGE = 2
 DESCRIPTION = ("Answer a prompt, chat, serve or inspect a model's heads with a KV cache of bounded size: "
                "Page-EntroKV eviction inside llama.cpp.")
+MAX_TEXT_BYTES = 16 << 20       # a -f file larger than this is refused (a model's whole context is far less)
 
 
 class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
-def _budget(text: str):
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line on stderr and exit status 2, like every other
+    refusal of the command (argparse's own prints the usage first)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"entrokv-edge: {message} (see {self.prog} --help)\n")
+
+
+def _finite(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def _budget(text: str):
+    try:
+        v = _finite(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"budget must be a fraction (0.2) or a token count (512), got {text!r}")
     return v if ("." in text or "e" in text.lower()) else int(v)
 
@@ -45,12 +65,26 @@ def _budget(text: str):
 MAIN_POLICIES = ("entrokv-edge", "page-entrokv", "streaming", "full")
 
 
+def _at_least(lo: int):
+    """An argparse type: an integer >= lo."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
+        return v
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="entrokv-edge", description=DESCRIPTION)
+    ap = _Parser(prog="entrokv-edge", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("-m", "--model", required=True, help="a .gguf file, or a registered name (entrokv-models list)")
-    common.add_argument("--kv-cells", type=int, metavar="N", help="the KV cache, in tokens (default: the prompt and the answer fit)")
+    common.add_argument("--kv-cells", type=_at_least(1), metavar="N", help="the KV cache, in tokens, at most the "
+                        "model's context (default: the prompt and the answer fit)")
     common.add_argument("--budget", type=_budget, metavar="B", help="tokens each KV head keeps after the prompt: a fraction of "
                         "it (0.2) or a count (512); default: what --kv-cells can keep, or "
                         f"{DEFAULT_BUDGET} of the prompt when the cache is sized to it")
@@ -59,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any other setting (docs/options.md), e.g. --set page_size=16; repeatable")
     common.add_argument("--config", metavar="FILE", help="settings from a JSON object (--set and flags win)")
-    common.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: llama.cpp's)")
+    common.add_argument("--threads", type=_at_least(1), metavar="N", help="CPU threads (default: llama.cpp's; at most 512)")
     common.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers (and their cache) on a GPU; -1: all")
     common.add_argument("--rpc", action="append", metavar="HOST:PORT", help=argparse.SUPPRESS)   # docs/gpu.md
     common.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
@@ -70,8 +104,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("-p", "--prompt", default="", help="the prompt (after the file)")
             p.add_argument("--json", action="store_true", help="one JSON object on stdout")
         if name != "inspect":
-            p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="the answer's length at most (default 256)")
-            p.add_argument("--temp", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
+            p.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                           help="the answer's length at most (default 256; <= 0: until the model stops)")
+            p.add_argument("--temp", type=_finite, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
             p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
         if name == "inspect":
             p.add_argument("--png", help="also write the figures to this PNG (needs matplotlib)")
@@ -79,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback; the protocol "
                    "has no authentication: expose it only on a trusted network)")
     p.add_argument("--port", type=int, default=50052)
-    p.add_argument("--threads", type=int, help="CPU threads (default: all)")
+    p.add_argument("--threads", type=_at_least(1), help="CPU threads (default: all; at most 512)")
     p.add_argument("--cache-dir", help="keep received tensors here, so a model is sent once")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
     from . import server                # serve: its flags and its logic live in server.py
@@ -89,9 +124,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _read_text(path: str) -> str:
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:      # at most MAX_TEXT_BYTES + 1 bytes: a device or a huge file ends here
+            data = f.read(MAX_TEXT_BYTES + 1)
     except OSError as e:
         raise CLIError(f"cannot read {path}: {e.strerror or e}")
+    if len(data) > MAX_TEXT_BYTES:
+        raise CLIError(f"{path} is larger than {MAX_TEXT_BYTES >> 20} MiB: far more text than a model's context")
     if b"\0" in data:
         raise CLIError(f"{path} is not a text file")
     try:
@@ -191,26 +229,31 @@ def _settings(args) -> dict:
 def _load(args, n_prompt: int | None):
     """An EntroKVLlama for args; n_prompt (tokens) sizes the default cache and checks the budget."""
     from . import EntroKVError, EntroKVLlama
+    from .runtime.llama import reserved_cells
     path = _model_file(args.model)
     settings = _settings(args)
     cfg = settings["eviction"]
-    max_new = getattr(args, "max_tokens", 0) or 0
+    max_new = max(getattr(args, "max_tokens", 0) or 0, 0)
+    n_ctx = _context_length(args)
     cells = args.kv_cells
     if cells is None:
         # the prompt and the answer fit beside the quarter the runtime keeps free for new tokens
         need = ((n_prompt or 2048) + max_new + 64) * 4 // 3
-        cells = max(256, -(-need // 256) * 256)
+        cells = min(max(256, -(-need // 256) * 256), max(n_ctx, 256))
         if cfg.budget is None:      # a cache sized to the prompt: the budget is a share of it
             cfg = settings["eviction"] = dataclasses.replace(cfg, budget=DEFAULT_BUDGET)
-    if cells < 1:
-        raise CLIError("--kv-cells must be >= 1")
+    elif cells > n_ctx:
+        raise CLIError(f"--kv-cells {cells} is more than the model's context ({n_ctx} tokens): "
+                       f"cells beyond it could never hold a token")
+    if n_prompt is not None and n_prompt >= n_ctx:
+        raise CLIError(f"the prompt ({n_prompt} tokens) does not fit the model's context ({n_ctx} tokens)")
     if n_prompt is not None and cfg.budget is not None:
         try:
             cfg.budget_pages(n_prompt)
         except ValueError as e:
             raise CLIError(str(e))
         tokens = cfg.budget_tokens(n_prompt)
-        reserve = max(cfg.window + cfg.page_size, cells // 4)
+        reserve = reserved_cells(cells, cfg)
         if cfg.policy != "full" and tokens > cells - reserve:
             raise CLIError(f"budget of {tokens} tokens is above what a {cells}-cell cache can keep "
                            f"({cells - reserve}, leaving room for new tokens); lower --budget or raise --kv-cells")
@@ -234,14 +277,30 @@ def _load(args, n_prompt: int | None):
         raise CLIError(msg)
 
 
-def _count_tokens(args, text: str) -> int:
-    import llama_cpp
-    path = _model_file(args.model)
+def _vocab(args):
+    """The model's vocabulary and header (a vocab-only llama_cpp.Llama), loaded once per command."""
+    if getattr(args, "_vocab", None) is None:
+        import llama_cpp
+        path = _model_file(args.model)
+        try:
+            args._vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=args.verbose)
+        except ValueError:
+            raise CLIError(f"{path}: llama.cpp could not load this model (corrupt or unsupported architecture)")
+    return args._vocab
+
+
+def _context_length(args) -> int:
+    """The model's training context (GGUF key <arch>.context_length; a vocab-only model has no
+    hyperparameters): the longest conversation EntroKVLlama accepts."""
+    meta = _vocab(args).metadata
     try:
-        vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=args.verbose)
-    except ValueError:
-        raise CLIError(f"{path}: llama.cpp could not load this model (corrupt or unsupported architecture)")
-    n = len(vocab.tokenize(text.encode()))
+        return int(meta[f"{meta['general.architecture']}.context_length"])
+    except (KeyError, ValueError):
+        raise CLIError(f"{args.model}: the model file does not give its context length")
+
+
+def _count_tokens(args, text: str) -> int:
+    n = len(_vocab(args).tokenize(text.encode()))
     return n + (0 if getattr(args, "raw", True) else 32)   # the chat template's own tokens
 
 
@@ -350,12 +409,17 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         reply = []
-        for chunk in llm.create_chat_completion(messages, max_tokens=args.max_tokens, temperature=args.temp,
-                                                stream=True):
-            piece = chunk["choices"][0]["delta"].get("content", "") or ""
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        try:
+            for chunk in llm.create_chat_completion(messages, max_tokens=args.max_tokens, temperature=args.temp,
+                                                    stream=True):
+                piece = chunk["choices"][0]["delta"].get("content", "") or ""
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except ValueError as e:         # llama-cpp-python's refusal of a conversation longer than the context
+            messages.pop()
+            print(f"entrokv-edge: not answered: {e}", file=sys.stderr)
+            continue
         print()
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0

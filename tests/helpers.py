@@ -15,10 +15,10 @@ from llama_cpp import llama_cpp as C
 GGML = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 
 
-def make_llm(path, *, n_ctx=256, type_k="f16", type_v=None, flash_attn=False, **kw) -> Llama:
+def make_llm(path, *, n_ctx=256, type_k="f16", type_v=None, flash_attn=False, n_threads=2, **kw) -> Llama:
     return Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, type_k=GGML[type_k],
                  type_v=GGML[type_v or type_k], flash_attn=flash_attn, verbose=False, seed=0,
-                 n_threads=2, n_threads_batch=2, **kw)
+                 n_threads=n_threads, n_threads_batch=n_threads, **kw)
 
 
 def logits(llm: Llama) -> np.ndarray:

@@ -107,7 +107,10 @@ def test_chat_with_save_load_and_stats(smollm2, tmp_path):
                                   "edge spread negative", "edge decay zero", "edge value power", "edge lookahead",
                                   "edge lookahead share", "unknown setting", "setting without value",
                                   "setting of the wrong type", "config not json", "config not an object",
-                                  "config missing"])
+                                  "config missing", "empty file", "non-UTF-8 file", "device file", "budget inf",
+                                  "kv-cells above the context", "kv-cells beyond uint32", "threads above ggml",
+                                  "threads zero", "temperature nan", "not an integer", "unknown option",
+                                  "prompt longer than the context"])
 def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     from synth import write_model
     notgguf = tmp_path / "x.gguf"
@@ -118,6 +121,9 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     binary.write_bytes(bytes(range(256)))
     listfile = tmp_path / "list.json"
     listfile.write_text("[1, 2]")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e".encode("latin-1"))
+    (tmp_path / "long.txt").write_text("the keeper wrote a ledger of every ship " * 1500)   # ~ 12k tokens > 8192
     args = {
         "missing model": ["-m", tmp_path / "nope.gguf", "-p", "hi"],
         "not gguf": ["-m", notgguf, "-p", "hi"],
@@ -141,6 +147,18 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
         "config not json": ["-m", smollm2, "-f", doc, "--config", doc],
         "config not an object": ["-m", smollm2, "-f", doc, "--config", listfile],
         "config missing": ["-m", smollm2, "-f", doc, "--config", tmp_path / "none.json"],
+        "empty file": ["-m", smollm2, "-f", tmp_path / "empty.txt"],
+        "non-UTF-8 file": ["-m", smollm2, "-f", tmp_path / "latin1.txt"],
+        "device file": ["-m", smollm2, "-f", "/dev/zero"],
+        "budget inf": ["-m", smollm2, "-f", doc, "--budget", "inf"],
+        "kv-cells above the context": ["-m", smollm2, "-f", doc, "--kv-cells", 10**7],
+        "kv-cells beyond uint32": ["-m", smollm2, "-f", doc, "--kv-cells", 2**32 + 1024],
+        "threads above ggml": ["-m", smollm2, "-f", doc, "--threads", 100000],
+        "threads zero": ["-m", smollm2, "-f", doc, "--threads", 0],
+        "temperature nan": ["-m", smollm2, "-f", doc, "--temp", "nan"],
+        "not an integer": ["-m", smollm2, "-f", doc, "--kv-cells", "3.5"],
+        "unknown option": ["-m", smollm2, "-f", doc, "--bogus"],
+        "prompt longer than the context": ["-m", smollm2, "-f", tmp_path / "long.txt"],
         "unsupported architecture": ["-m", write_model(tmp_path / "vl.gguf", arch="qwen2vl", n_head=4, n_head_kv=2),
                                      "-p", "hello there, how are you doing today my friend", "--budget", 1.0],
     }[case]
@@ -156,7 +174,14 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
             "edge lookahead share": "lookahead_share must be a number in [0, 1]",
             "unknown setting": "KEY one of", "setting without value": "expected KEY=VALUE",
             "setting of the wrong type": "expected an integer", "config not json": "is not a JSON object",
-            "config not an object": "must hold a JSON object", "config missing": "cannot read"}.get(case)
+            "config not an object": "must hold a JSON object", "config missing": "cannot read",
+            "empty file": "the prompt is empty", "non-UTF-8 file": "not a UTF-8 text file",
+            "device file": "larger than 16 MiB", "budget inf": "budget must be a fraction (0.2) or a token count",
+            "kv-cells above the context": "more than the model's context (8192 tokens)",
+            "kv-cells beyond uint32": "more than the model's context", "threads above ggml": "at most 512",
+            "threads zero": "must be an integer >= 1", "temperature nan": "finite number",
+            "not an integer": "expected an integer, got '3.5'", "unknown option": "unrecognized arguments: --bogus",
+            "prompt longer than the context": "does not fit the model's context (8192 tokens)"}.get(case)
     assert want is None or want in lines[0], lines[0]
 
 
@@ -184,3 +209,17 @@ def test_help_fits_a_screen_and_names_the_common_flags():
     rc, out, _ = cli("--help")
     desc = out.split("\n\n")[1].replace("\n", " ")
     assert rc == 0 and desc.rstrip().endswith(".")
+
+
+def test_a_chat_message_longer_than_the_context_is_refused_and_the_chat_goes_on(tmp_path):
+    """llama-cpp-python refuses a conversation longer than the model's context with a ValueError:
+    the chat prints one line for it and goes on (it was a traceback)."""
+    from synth import write_model
+    model = write_model(tmp_path / "short.gguf", n_ctx_train=256, seed=4)
+    script = "hello\n" + "abc " * 400 + "\n/stats\n/quit\n"
+    rc, out, err = cli("chat", "-m", model, "--kv-cells", 256, "--budget", 64, "--set", "page_size=8",
+                       "--set", "window=16", "--max-tokens", 4, stdin=script)
+    assert rc == 0 and "Traceback" not in err, err
+    assert [l for l in err.splitlines() if l.startswith("entrokv-edge: not answered: ")], err
+    stats = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    assert len(stats) == 1 and stats[0]["logical_tokens"] > 0

@@ -37,7 +37,7 @@ def test_every_policy_on_smollm2_generates_and_accounts_memory_exactly(smollm2):
     for policy in ek.POLICIES:
         C.llama_memory_clear(llm._ctx.memory, True)
         load_blob(llm, blob, toks)
-        res = ek.PageEntroKV(budget=0.2, policy=policy).evict(llm, scores)
+        res = ek.EvictionController(budget=0.2, policy=policy).evict(llm, scores)
         m = res.metrics
         assert m["kv_bytes_kept"] == m["kv_bytes_engine"] == ek.geometry(llm).n_used * g.bytes_per_cell
         assert m["uor_count"] == 90 and 1.0 <= m["uor_mean"] <= m["uor_max"] <= 3.0
@@ -63,7 +63,7 @@ def test_c_one_call_eviction_equals_the_python_controller(synth_models):
     a, b = make_llm(path), make_llm(path)
     sa = observed_prefill(a, toks, 16)
     observed_prefill(b, toks, 16)
-    ek.PageEntroKV(budget=48, page_size=8, window=16, sinks=4, policy="page-entrokv").evict(a, sa)
+    ek.EvictionController(budget=48, page_size=8, window=16, sinks=4, policy="page-entrokv").evict(a, sa)
     kept = evict_native(b, budget=48, page_size=8, sinks=4, recent=16)
     assert kept == ek.geometry(a).n_used == 48 - 8 + 150 % 8
     assert state_blob(a) == state_blob(b)
@@ -75,19 +75,20 @@ def test_prefill_controller_and_its_refusals(synth_models):
     llm = make_llm(path)
     toks = np.random.default_rng(1).integers(3, 300, 120)
     with pytest.raises(ValueError, match="longer than the prompt"):
-        ek.PageEntroKV(window=32).prefill(llm, toks[:20])
+        ek.EvictionController(window=32).prefill(llm, toks[:20])
     with pytest.raises(ValueError, match="protected pages"):
-        ek.PageEntroKV(budget=8, page_size=8).prefill(llm, toks)
+        ek.EvictionController(budget=8, page_size=8).prefill(llm, toks)
     assert ek.geometry(llm).n_used == 0                       # nothing was evaluated
-    res = ek.PageEntroKV(budget=0.5, page_size=8, window=16).prefill(llm, toks, needles=[60, 61])
+    res = ek.EvictionController(budget=0.5, page_size=8, window=16).prefill(llm, toks, needles=[60, 61])
     assert ek.geometry(llm).n_used == res.metrics["kept_tokens"] == 56   # 7 pages of 8 (120 = 15 pages)
     kept = set(res.positions[0, 0].tolist())
     assert res.metrics["needle_kept"][0][0] == ({60, 61} <= kept)
     assert np.array(res.metrics["needle_kept"]).shape == (2, 3)          # (layers, KV heads)
     with pytest.raises(ValueError, match="empty context"):
-        ek.PageEntroKV(budget=0.5, page_size=8, window=16).prefill(llm, toks)
+        ek.EvictionController(budget=0.5, page_size=8, window=16).prefill(llm, toks)
     with pytest.raises(TypeError):
-        ek.PageEntroKV(ek.EvictionConfig(), budget=0.3)
+        ek.EvictionController(ek.EvictionConfig(), budget=0.3)
+    assert ek.PageEntroKV is ek.EvictionController          # the name the README first documented
 
 
 def test_head_metrics_match_the_token_level_definitions(synth_models):
@@ -95,7 +96,7 @@ def test_head_metrics_match_the_token_level_definitions(synth_models):
     llm = make_llm(synth_models["llama-r3"])
     toks = np.random.default_rng(7).integers(3, 300, 130)
     s = observed_prefill(llm, toks, 16)
-    m = ek.PageEntroKV(budget=64, page_size=8, window=16, policy="page-entrokv").evict(llm, s).metrics["heads"]
+    m = ek.EvictionController(budget=64, page_size=8, window=16, policy="page-entrokv").evict(llm, s).metrics["heads"]
     sc = s.scores[:, :, :130]
     c = collision(isolate_sinks(sc, 4)[0])
     np.testing.assert_allclose(m["collision_entropy"], -np.log(c), rtol=1e-9)
@@ -111,7 +112,7 @@ def test_scores_by_position_against_a_cell_by_cell_reference():
     every other position 0; and which positions each group still holds. Random cells, some
     empty, observations that saw other (and later) positions, duplicates."""
     from types import SimpleNamespace
-    from entrokv_edge.controller.controller import PageEntroKV
+    from entrokv_edge.controller.controller import EvictionController
     rng = np.random.default_rng(11)
     for _ in range(60):
         L, G, r = (int(x) for x in rng.integers(1, 4, size=3))
@@ -123,7 +124,7 @@ def test_scores_by_position_against_a_cell_by_cell_reference():
         n_kv = int(rng.integers(1, kv + 1))
         tp_obs = np.where(rng.random((L * G, n_kv)) < 0.8, rng.integers(-1, n + 3, (L * G, n_kv)), -1).astype(np.int32)
         obs = SimpleNamespace(true_pos=tp_obs, scores=rng.random((L, H, n_kv)))
-        s, present = PageEntroKV._scores_by_position(obs, tp_now, n, L, H, r)
+        s, present = EvictionController._scores_by_position(obs, tp_now, n, L, H, r)
         assert s.shape == (L, H, n) and present.shape == (L, G, n)
         for l in range(L):
             for h in range(H):

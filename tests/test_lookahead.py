@@ -115,7 +115,7 @@ def test_lookahead_refuses_scores_of_another_cache_state(synth_models):
 
 
 def test_controller_and_runtime_evict_with_the_mixed_scores(synth_models):
-    """PageEntroKV.prefill and EntroKVLlama (after a prompt) keep what select() keeps on the
+    """EvictionController.prefill and EntroKVLlama (after a prompt) keep what select() keeps on the
     window's scores mixed with the draft's (with the configured share); the runtime then answers
     from the prompt's logits."""
     path = synth_models["llama-r3"]
@@ -130,7 +130,7 @@ def test_controller_and_runtime_evict_with_the_mixed_scores(synth_models):
     assert not np.array_equal(plain.pages, sel.pages)        # lookahead changed what is kept
 
     llm = make_llm(path, type_k="f32")
-    res = ek.PageEntroKV(cfg).prefill(llm, toks.tolist())
+    res = ek.EvictionController(cfg).prefill(llm, toks.tolist())
     np.testing.assert_array_equal(res.positions, want)
     assert llm.n_tokens == n
 

@@ -252,3 +252,56 @@ def test_head_stats_without_page_all_equal_those_with_it(P, n, sinks, seed):
     assert lean.page_all is None and full.page_all.shape == full.page_iso.shape
     for f in ("page_iso", "mass_iso", "mass_all", "c_iso", "c_all", "flagged", "uniform_pages"):
         assert np.array_equal(getattr(full, f), getattr(lean, f)), f
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -1e-6])
+def test_both_selectors_refuse_scores_that_are_not_attention_weights(bad):
+    """A NaN, an infinity or a negative score: the C selector refuses it (INVALID_ARG, naming
+    where), the Python one raises ValueError; -0.0 and zeros are attention weights."""
+    from entrokv_edge import EntroKVError
+    s = np.random.default_rng(0).dirichlet(np.full(64, 0.5), size=(2, 6)).astype(np.float32)
+    cfg = EvictionConfig(budget=32, page_size=4, window=8, policy="page-entrokv")
+    ok = s.copy()
+    ok[0, 1, 5], ok[1, 2] = -0.0, 0.0
+    assert np.array_equal(select_pages_native(ok, 2, budget=32, page_size=4, sinks=4, recent=8),
+                          select(ok.astype(np.float64), 3, cfg).pages)
+    s[1, 4, 17] = bad
+    with pytest.raises(EntroKVError, match=r"INVALID_ARG.*scores\[1\]\[4\]\[17\]"):
+        select_pages_native(s, 2, budget=32, page_size=4, sinks=4, recent=8)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        select(s.astype(np.float64), 3, cfg)
+
+
+@pytest.mark.parametrize("budget", [50, 51, 400])
+def test_a_budget_that_covers_the_positions_keeps_every_page_in_both_selectors(budget):
+    """n = 50 positions in pages of 8 (the last one partial): a budget of n tokens or more keeps all
+    7 pages in C as in Python (C kept budget // 8 = 6 before)."""
+    s = np.random.default_rng(1).dirichlet(np.full(50, 0.5), size=(1, 2)).astype(np.float32)
+    c = select_pages_native(s, 1, budget=budget, page_size=8, sinks=4, recent=8)
+    py = select(s.astype(np.float64), 2, EvictionConfig(budget=budget, page_size=8, window=8, policy="page-entrokv"))
+    assert c.shape == (1, 1, 7) and np.array_equal(c, py.pages)
+
+
+def test_an_all_zero_head_ties_its_full_pages_and_the_lowest_win_in_both_selectors():
+    """Found by benchmarks/fuzz.py: an all-zero head is uniform, so its full pages tie exactly; the
+    Python page sums of 1/n_free (14 of them per page) came out one ulp apart on some pages, and
+    Python kept page 4 where C kept page 0 (ties: lower page first)."""
+    s = np.zeros((1, 1, 99), np.float32)
+    cfg = EvictionConfig(budget=28, page_size=14, window=1, sinks=0, recent=1, policy="page-entrokv")
+    py = select(s.astype(np.float64), 1, cfg).pages
+    c = select_pages_native(s, 1, budget=28, page_size=14, sinks=0, recent=1)
+    assert py.tolist() == c.tolist() == [[[0, 7]]]
+
+
+def test_the_c_defaults_and_the_bindings_take_the_configurations_settings():
+    """Page-EntroKV's settings live in EvictionConfig: the C library's default parameters (for C
+    callers) hold the same values, and the bindings fill what a caller leaves out from the config."""
+    from entrokv_edge.bindings.native import _api
+    _, lib = _api()
+    p = lib.llama_entrokv_default_params()
+    cfg = EvictionConfig(policy="page-entrokv")
+    assert (p.page_size, p.sinks, p.recent, p.tau, p.page_max) == (cfg.page_size, cfg.sinks, cfg.rho, cfg.tau, 0)
+    s = np.random.default_rng(5).dirichlet(np.ones(200), size=(2, 6)).astype(np.float32)
+    given_all = select_pages_native(s, 2, budget=64, page_size=cfg.page_size, sinks=cfg.sinks, recent=cfg.rho,
+                                    tau=cfg.tau)
+    assert np.array_equal(select_pages_native(s, 2, budget=64), given_all)

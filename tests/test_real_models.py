@@ -80,7 +80,7 @@ def test_gemma3_observes_and_evicts_only_its_full_attention_layers(gemma3):
     s = obs.last
     assert list(s.layer_ids) == [5, 11, 17] and s.scores.shape[:2] == (3, 4) and s.n_head_kv == 1
     np.testing.assert_allclose(s.scores.sum(-1), 1.0, atol=1e-4)
-    res = ek.PageEntroKV(budget=32, page_size=8, window=16).evict(llm, s)
+    res = ek.EvictionController(budget=32, page_size=8, window=16).evict(llm, s)
     assert ek.geometry(llm).n_used == res.metrics["kept_tokens"] == 24 + (len(toks) % 8 or 8)
     assert res.metrics["policy_uor"] == 1.0 and res.metrics["uor_count"] == 3   # MQA: one group of 4 per layer
     assert 1.0 <= res.metrics["uor_mean"] <= res.metrics["uor_max"] <= 4.0
@@ -138,7 +138,7 @@ def test_qwen25_every_group_keeps_one_exact_budget_while_the_heads_would_not(qwe
     for policy in ("page-entrokv", "entrokv-edge", "head-independent"):
         C.llama_memory_clear(llm._ctx.memory, True)
         load_blob(llm, blob, toks)
-        m = ek.PageEntroKV(budget=0.25, window=16, policy=policy, lookahead=0 if policy == "entrokv-edge" else None
+        m = ek.EvictionController(budget=0.25, window=16, policy=policy, lookahead=0 if policy == "entrokv-edge" else None
                            ).evict(llm, s).metrics
         assert m["uor_count"] == 48 and 1.0 <= m["uor_mean"] <= m["uor_max"] <= 7.0
         assert m["kv_bytes_kept"] == m["kv_bytes_engine"]

@@ -133,6 +133,12 @@ def test_settings_are_checked(model):
         ek.EntroKVLlama(model, n_ctx=256, logits_all=True, **SETTINGS)
     with pytest.raises(TypeError):
         ek.EntroKVLlama(model, n_ctx=256, eviction=ek.EvictionConfig(), **SETTINGS)
+    # what llama.cpp cannot take: more threads than ggml's maximum crashed inside ggml; a cache size
+    # beyond uint32 was truncated (2**32 + 256 cells became 256)
+    with pytest.raises(ValueError, match="at most 512"):
+        ek.EntroKVLlama(model, n_ctx=256, **{**SETTINGS, "n_threads": 100_000})
+    with pytest.raises(ValueError, match="n_ctx must be in"):
+        ek.EntroKVLlama(model, n_ctx=2**32 + 256, **SETTINGS)
 
 
 def test_a_6k_token_prompt_through_a_1024_cell_cache_keeps_a_fact_from_its_start(smollm2):

@@ -173,3 +173,43 @@ def test_a_well_formed_file_whose_state_llama_cpp_refuses_leaves_the_context_as_
     bad = tmp_path / "resigned.entrokv"
     session.write(bad, st)
     refused(b, bad, "refused")
+
+
+def test_a_zip_flag_flipped_in_the_central_directory_is_refused(saved, tmp_path):
+    """One bit of the archive's central directory (a member's 'encrypted' flag) made zipfile raise
+    RuntimeError, which escaped as such; every damage now reads as SessionError."""
+    a, b, path = saved
+    data = bytearray(path.read_bytes())
+    at = data.index(b"PK\x01\x02")          # the first central directory entry; its flags at +8
+    data[at + 8] ^= 0x01
+    bad = tmp_path / "flag.entrokv"
+    bad.write_bytes(bytes(data))
+    refused(b, bad, "damaged one .RuntimeError")
+
+
+@pytest.mark.parametrize("change", ["fewer tokens", "more tokens", "token outside the vocabulary",
+                                    "window scores of another shape", "NaN window score"])
+def test_a_re_signed_state_that_does_not_fit_is_refused(saved, tmp_path, change):
+    """Checksums right, identity right, content that cannot belong to the cache: a token count that
+    is not the cache's (it loaded, then every position was off), a token id outside the vocabulary
+    (llama.cpp aborts on it later), window scores an eviction cannot use (it raised at the next one)."""
+    a, b, path = saved
+    st = session.read(path)
+    ws = st.window_scores
+    if change == "fewer tokens":
+        st.n_tokens -= 5
+        st.input_ids = st.input_ids[:-5]
+    elif change == "more tokens":
+        st.n_tokens += 2
+        st.input_ids = np.concatenate([st.input_ids, np.array([5, 6], np.int32)])
+    elif change == "token outside the vocabulary":
+        st.input_ids = st.input_ids.copy()
+        st.input_ids[3] = 10**6
+    elif change == "window scores of another shape":
+        ws.scores = ws.scores[:, :-1]
+    else:
+        ws.scores = ws.scores.copy()
+        ws.scores[0, 0, 0] = np.nan
+    bad = tmp_path / "resigned.entrokv"
+    session.write(bad, st)
+    refused(b, bad, "cannot load this state")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import entrokv_edge as ek
-from entrokv_edge.controller.controller import PageEntroKV
+from entrokv_edge.controller.controller import EvictionController
 from helpers import make_llm, parse_cache, random_keep, state_blob
 from test_compaction import CACHE_CONFIGS, prompt
 
@@ -74,11 +74,11 @@ def test_value_norms_follow_their_tokens_through_a_compaction(synth_models, fa):
     llm.eval([int(t) for t in prompt(6)])
     g = ek.geometry(llm)
     L, G = g.n_layers, g.layers[0].n_head_kv
-    before = PageEntroKV._values_by_position(llm, None, N, L, G)
+    before = EvictionController._values_by_position(llm, None, N, L, G)
     keep = random_keep(np.random.default_rng(1), g.n_slots, N, 20, protect=4)
     ek.compact(llm, keep)
     tp = ek.true_positions(llm)
-    after = PageEntroKV._values_by_position(llm, tp, N, L, G).reshape(g.n_slots, N)
+    after = EvictionController._values_by_position(llm, tp, N, L, G).reshape(g.n_slots, N)
     kept = np.zeros((g.n_slots, N), dtype=bool)
     kept[np.arange(g.n_slots)[:, None], keep] = True
     np.testing.assert_array_equal(after[kept], before.reshape(g.n_slots, N)[kept])
@@ -115,7 +115,7 @@ def test_value_norms_of_freed_cells_are_0_and_the_others_the_states(synth_models
     assert check().sum() == 25
     # the controller's map by true position: the decoded tokens (positions N..N+4) keep their own norms
     tp = ek.true_positions(llm)
-    by_pos = PageEntroKV._values_by_position(llm, tp, N + 5, g.n_layers, g.layers[0].n_head_kv).reshape(g.n_slots, -1)
+    by_pos = EvictionController._values_by_position(llm, tp, N + 5, g.n_layers, g.layers[0].n_head_kv).reshape(g.n_slots, -1)
     vn = ek.value_norms(llm)
     want = np.array([[vn[s, np.flatnonzero(tp[s] == p)[0]] for p in range(N, N + 5)] for s in range(g.n_slots)])
     np.testing.assert_array_equal(by_pos[:, N:], want)
@@ -153,7 +153,7 @@ def test_value_power_selects_from_the_value_weighted_scores(synth_models):
         ref = reference_norms(state_blob(llm), g).reshape(g.n_layers, g.layers[0].n_head_kv, -1)
         s = obs.last.scores[:, :, :160]
         want = ek.controller.policies.select(s, 3, cfg, 160, values=ref.astype(np.float32)).pages
-        res = PageEntroKV(cfg).evict(llm, obs.last)
+        res = EvictionController(cfg).evict(llm, obs.last)
         np.testing.assert_array_equal(res.selection.pages, want)
         assert ek.geometry(llm).n_used == 64
         picks[a] = want

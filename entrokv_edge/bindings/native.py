@@ -180,6 +180,16 @@ def value_norms(llm) -> np.ndarray:
     return _slot_table(llm, "llama_entrokv_value_norms", np.float32, "float")
 
 
+def _int32(name: str, v) -> int:
+    """v as a Python int for an int32_t argument: ValueError outside int32 (cffi would raise
+    OverflowError), TypeError for what is not an integer."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {v!r}")
+    if not -(2**31) <= v < 2**31:
+        raise ValueError(f"{name} {v} is outside int32")
+    return int(v)
+
+
 def _check_int32_range(a: np.ndarray) -> None:
     if a.size and a.dtype.itemsize > 4 and (a.min() < -(2**31) or a.max() >= 2**31):
         raise ValueError("cell index outside int32")
@@ -218,7 +228,7 @@ def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0,
     if flat.size == 0:
         flat = np.zeros(1, dtype=np.int32)  # a valid pointer; the native length check refuses
     flags = (lib.LLAMA_ENTROKV_COMPACT_GRAPH if graph else 0) | (lib.LLAMA_ENTROKV_COMPACT_UNORDERED if unordered else 0)
-    _check(lib.llama_entrokv_compact(ctx, seq_id, n_rows, ffi.from_buffer("int32_t[]", lens),
+    _check(lib.llama_entrokv_compact(ctx, _int32("seq_id", seq_id), n_rows, ffi.from_buffer("int32_t[]", lens),
                                      ffi.from_buffer("int32_t[]", flat), flags))
 
 
@@ -249,26 +259,44 @@ def n_refused(llm) -> int:
 
 def _params(ffi, lib, *, budget: int, page_size: int, sinks: int, recent: int, tau: float, page_max: bool):
     p = ffi.new("struct llama_entrokv_params *", lib.llama_entrokv_default_params())
-    p.budget, p.page_size, p.sinks, p.recent, p.tau, p.page_max = budget, page_size, sinks, recent, tau, int(page_max)
+    p.budget, p.page_size = _int32("budget", budget), _int32("page_size", page_size)
+    p.sinks, p.recent = _int32("sinks", sinks), _int32("recent", recent)
+    p.tau, p.page_max = float(tau), int(bool(page_max))
     return p
 
 
-def select_pages_native(scores: np.ndarray, n_head_kv: int, *, budget: int, page_size: int = 16, sinks: int = 4,
-                        recent: int = 32, tau: float = 1.0, page_max: bool = False) -> np.ndarray:
-    """The C Page-EntroKV selector: scores float32 [L, H, n] -> pages int32 [L, G, N]."""
+def _defaults(page_size, sinks, recent, tau) -> tuple:
+    """The settings not given: Page-EntroKV's, from the one place they live (controller/config.py)."""
+    from ..controller.config import EvictionConfig
+    cfg = EvictionConfig(policy="page-entrokv")
+    return (cfg.page_size if page_size is None else page_size, cfg.sinks if sinks is None else sinks,
+            cfg.rho if recent is None else recent, cfg.tau if tau is None else tau)
+
+
+def select_pages_native(scores: np.ndarray, n_head_kv: int, *, budget: int, page_size: int | None = None,
+                        sinks: int | None = None, recent: int | None = None, tau: float | None = None,
+                        page_max: bool = False) -> np.ndarray:
+    """The C Page-EntroKV selector: scores float32 [L, H, n] -> pages int32 [L, G, N]. Settings not
+    given are EvictionConfig's for page-entrokv."""
+    page_size, sinks, recent, tau = _defaults(page_size, sinks, recent, tau)
     ffi, lib = _api()
     s = np.ascontiguousarray(scores, dtype=np.float32)
-    L, H, n = s.shape
-    out = np.empty(L * n_head_kv * -(-n // max(page_size, 1)), dtype=np.int32)
+    if s.ndim != 3:
+        raise ValueError(f"scores must be [L, H, n], got shape {s.shape}")
+    L, H, n = (_int32(k, v) for k, v in zip(("L", "H", "n"), s.shape))
+    G = _int32("n_head_kv", n_head_kv)
     p = _params(ffi, lib, budget=budget, page_size=page_size, sinks=sinks, recent=recent, tau=tau, page_max=page_max)
-    N = _check(lib.llama_entrokv_select_pages(ffi.from_buffer("float[]", s), L, H, n_head_kv, n, p,
+    out = np.empty(max(L * G * -(-n // max(page_size, 1)), 1), dtype=np.int32)
+    N = _check(lib.llama_entrokv_select_pages(ffi.from_buffer("float[]", s), L, H, G, n, p,
                                               ffi.from_buffer("int32_t[]", out), out.size))
-    return out[: L * n_head_kv * N].reshape(L, n_head_kv, N)
+    return out[: L * G * N].reshape(L, G, N)
 
 
-def evict_native(llm, *, budget: int, page_size: int = 16, sinks: int = 4, recent: int = 32, tau: float = 1.0,
-                 page_max: bool = False, seq_id: int = 0) -> int:
-    """The C one-call eviction (last observed scores, then compaction); returns tokens kept per group."""
+def evict_native(llm, *, budget: int, page_size: int | None = None, sinks: int | None = None,
+                 recent: int | None = None, tau: float | None = None, page_max: bool = False, seq_id: int = 0) -> int:
+    """The C one-call eviction (last observed scores, then compaction); returns tokens kept per group.
+    Settings not given are EvictionConfig's for page-entrokv."""
+    page_size, sinks, recent, tau = _defaults(page_size, sinks, recent, tau)
     ffi, lib = _api()
     p = _params(ffi, lib, budget=budget, page_size=page_size, sinks=sinks, recent=recent, tau=tau, page_max=page_max)
-    return _check(lib.llama_entrokv_evict(context_pointer(llm), seq_id, p))
+    return _check(lib.llama_entrokv_evict(context_pointer(llm), _int32("seq_id", seq_id), p))

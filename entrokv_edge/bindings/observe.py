@@ -74,8 +74,8 @@ class Observation:
 
     def __init__(self, llm, window: int, handler: Callable[[WindowScores], None] | None = None,
                  keep_last: bool = True):
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2**31:
+            raise ValueError(f"window must be an integer >= 1 (and within int32), got {window!r}")
         self.llm, self.window, self.handler, self.keep_last = llm, window, handler, keep_last
         self.last: WindowScores | None = None
         self.count = 0

@@ -19,7 +19,7 @@ OFF = {"page_size": 16, "pool": 0, "spread": 0, "decay": 1.0, "consensus": 0.0, 
 EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool", "value_power", "lookahead",
                 "lookahead_share")
 MAX_LOOKAHEAD = 64
-# the budget when none is given: a fraction of the prompt for the controller alone (PageEntroKV); EntroKVLlama,
+# the budget when none is given: a fraction of the prompt for the controller alone (EvictionController); EntroKVLlama,
 # which knows its cache, keeps what the cache can hold with room for new tokens instead (runtime/llama.py)
 DEFAULT_BUDGET = 0.2
 ENTROPY_REGIONS = ("sinks", "evictable")

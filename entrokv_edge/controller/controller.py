@@ -1,7 +1,7 @@
 """The controller: one object a user configures, which prefills a prompt with the
 observation window switched on, selects pages with its policy and compacts the cache.
 
-    ctl = PageEntroKV(budget=0.2, page_size=16, window=32)
+    ctl = EvictionController(budget=0.2, page_size=16, window=32)
     result = ctl.prefill(llm, tokens)       # llm: a llama_cpp.Llama (after import entrokv_edge)
     result.metrics["uor_mean"], result.to_json()
 """
@@ -35,7 +35,7 @@ class EvictionResult:
         return json.dumps(self.metrics)
 
 
-class PageEntroKV:
+class EvictionController:
     """Budgets, pages and entropy weights for a llama_cpp.Llama (see EvictionConfig)."""
 
     def __init__(self, config: EvictionConfig | None = None, **settings):
@@ -120,7 +120,7 @@ class PageEntroKV:
         layer's."""
         G = H // r
         slot_of = head_slots(L, H, G)                                             # [L, H]
-        present = PageEntroKV._by_position(tp_now, n, tp_now >= 0).reshape(L, G, n)
+        present = EvictionController._by_position(tp_now, n, tp_now >= 0).reshape(L, G, n)
         group_of = np.arange(H) // r
         s = np.zeros((L, H, n), dtype=np.float64)
         for l in range(L):
@@ -147,7 +147,7 @@ class PageEntroKV:
         vn = value_norms(llm)                                                     # [L * G, kv_size]
         if tp_now is None:
             return vn[:, :n].reshape(L, G, n)
-        return PageEntroKV._by_position(tp_now, n, vn).reshape(L, G, n)
+        return EvictionController._by_position(tp_now, n, vn).reshape(L, G, n)
 
     @staticmethod
     def _by_position(tp_now: np.ndarray, n: int, per_cell: np.ndarray) -> np.ndarray:
@@ -217,3 +217,7 @@ class PageEntroKV:
             kept[li, gi, positions] = True
             out["needle_kept"] = kept[:, :, need].all(axis=-1).tolist()
         return out
+
+
+# the name the README first documented for this class: kept as an alias of it
+PageEntroKV = EvictionController

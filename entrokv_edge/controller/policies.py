@@ -171,10 +171,15 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     available [L, G, n_pages] (bool): pages each group buffer still holds (after an
     earlier eviction); None: all. n_keep: pages to keep instead of the budget's N.
     values [L, G, n]: the norm of each position's value vector per group buffer, needed
-    (only) when cfg.value_power > 0: the scores are then value_weighted before anything else."""
+    (only) when cfg.value_power > 0: the scores are then value_weighted before anything else.
+    Scores are attention weights: a NaN, infinite or negative one raises ValueError (as the C
+    selector refuses it); an all-zero head counts as uniform over the non-sink positions."""
     s = np.asarray(s)
     if s.dtype not in (np.float32, np.float64):
         s = s.astype(np.float64)
+    if s.size and not (s.min() >= 0 and np.isfinite(s.max())):     # min and max are NaN if any score is
+        raise ValueError(f"window scores must be finite and >= 0 (attention weights); these range over "
+                         f"[{s.min()}, {s.max()}]")
     if cfg.value_power > 0:
         if values is None:
             raise ValueError("value_power needs the value norms (values [L, G, n])")

@@ -77,9 +77,10 @@ def head_stats(s: np.ndarray, sinks: int, P: int, keep_all: bool = True) -> Head
     n_free = max(n - k, 1)
     c_iso = np.where(flagged, 1.0 / n_free, sq_iso / np.where(flagged, 1.0, mass_iso) ** 2)
     c_all = sq_all / np.where(mass_all > 0, mass_all, 1.0) ** 2
-    counts = np.full(n, 1.0 / n_free)
-    counts[:k] = 0.0
-    uniform_pages = _page_sums(counts[None, None], P)[0, 0]
+    # the uniform distribution's page sums: each page's non-sink tokens (counted exactly) x 1 / n_free, the
+    # same number for every full page (summing 1 / n_free P times can round differently per page, and a
+    # one-ulp difference broke the tie between pages that the lower index must win, as in C)
+    uniform_pages = _page_sums((np.arange(n) >= k).astype(np.float64)[None, None], P)[0, 0] * (1.0 / n_free)
 
     return HeadStats(page_iso, page_all, mass_iso, mass_all, c_iso, c_all, flagged, uniform_pages)
 

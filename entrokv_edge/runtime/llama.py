@@ -9,6 +9,7 @@ compacted cells (the native code refuses it), and an edited history is re-evalua
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -19,7 +20,7 @@ import numpy as np
 
 from ..bindings import EntroKVError, geometry, restore, set_last_logits, true_positions, used_cells
 from ..bindings.observe import Observation, WindowScores, head_slots
-from ..controller import EvictionConfig, EvictionResult, PageEntroKV
+from ..controller import EvictionConfig, EvictionResult, EvictionController
 from ..controller.config import EDGE_OPTIONS, OFF
 from ..controller.guide import guide_scores
 from .._loader import ensure_llama_cpp
@@ -28,6 +29,36 @@ from . import session
 llama_cpp = ensure_llama_cpp()
 
 _SETTINGS = tuple(f.name for f in dataclasses.fields(EvictionConfig))     # every setting, one list
+
+
+MAX_THREADS = 512          # ggml's GGML_MAX_N_THREADS: a larger thread count crashes inside ggml
+
+
+def reserved_cells(kv_cells: int, cfg: EvictionConfig) -> int:
+    """Cells an eviction leaves free for new tokens: a quarter of the cache, at least a window and a page."""
+    return max(cfg.window + cfg.page_size, kv_cells // 4)
+
+
+def _check_context_params(kwargs: dict) -> None:
+    """Refuse what llama-cpp-python passes on unchecked and llama.cpp cannot take: more threads than
+    ggml's maximum (a segfault), a cache size outside uint32 (silently truncated)."""
+    for k in ("n_threads", "n_threads_batch"):
+        v = kwargs.get(k)
+        if v is not None and v > MAX_THREADS:
+            raise ValueError(f"{k} must be at most {MAX_THREADS} (ggml's limit), got {v}")
+    for k in ("n_ctx", "n_batch", "n_ubatch"):
+        v = kwargs.get(k)
+        if v is not None and not 0 <= v < 2**32:
+            raise ValueError(f"{k} must be in 0..2^32-1, got {v}")
+
+
+def _scores_fit(ws: WindowScores, g, n_head: int, n: int) -> bool:
+    """Window scores an eviction of this cache can use: [n_layers, n_head, n_kv] attention weights,
+    the slots' true positions [n_slots, n_kv] and the eligible layers' ids, observed before n."""
+    s, tp = np.asarray(ws.scores), np.asarray(ws.true_pos)
+    return (s.ndim == 3 and s.shape[:2] == (g.n_layers, n_head) and tp.shape == (g.n_slots, s.shape[2])
+            and np.array_equal(np.asarray(ws.layer_ids), [l.il for l in g.layers]) and ws.pos_last < n
+            and int(tp.max(initial=-1)) < n and bool(np.isfinite(s).all()) and bool((s >= 0).all()))
 
 
 class EntroKVLlama(llama_cpp.Llama):
@@ -52,17 +83,18 @@ class EntroKVLlama(llama_cpp.Llama):
             raise ValueError("EntroKVLlama does not support logits_all (per-token logits of a logical "
                              "sequence longer than the cache)")
         cfg = eviction if eviction is not None else EvictionConfig(**settings)
+        _check_context_params(kwargs)
         if rpc_servers:
             from .rpc import add_servers
             add_servers(rpc_servers)
         super().__init__(model_path, **kwargs)
-        self.controller = PageEntroKV(cfg)
+        self.controller = EvictionController(cfg)
         g = geometry(self)          # raises EntroKVError for models the method cannot act on
         self.kv_cells = g.kv_size
         if cfg.window > self.n_batch or cfg.window > self.context_params.n_ubatch:
             raise ValueError(f"window {cfg.window} must fit one batch (n_batch {self.n_batch}, "
                              f"n_ubatch {self.context_params.n_ubatch})")
-        self.reserve = max(cfg.window + cfg.page_size, self.kv_cells // 4)
+        self.reserve = reserved_cells(self.kv_cells, cfg)
         min_keep = (-(-cfg.sinks // cfg.page_size) + -(-cfg.rho // cfg.page_size) + 1) * cfg.page_size
         if self.kv_cells - self.reserve < min_keep:
             raise ValueError(f"a cache of {self.kv_cells} cells is too small for these settings: it must hold "
@@ -70,9 +102,11 @@ class EntroKVLlama(llama_cpp.Llama):
         self._n_ctx = int(logical_ctx or llama_cpp.llama_model_n_ctx_train(self.model))
         self.progress = progress
         # one instance, one conversation: calls that touch the cache run one at a time (a second thread
-        # waits), and a generation that starts while another is unfinished is refused (see generate)
+        # waits), and while a generation is unfinished, a second one, or a cache call from another
+        # thread, is refused (see generate and _claim)
         self._lock = threading.RLock()
         self._generating = threading.Lock()
+        self._generator_thread: int | None = None
         self._window_scores: WindowScores | None = None
         self.last_eviction: EvictionResult | None = None
         self.n_evictions = 0
@@ -110,7 +144,7 @@ class EntroKVLlama(llama_cpp.Llama):
     def evict(self, n_keep: int | None = None) -> EvictionResult:
         """Evict now, with the freshest window scores, down to ``n_keep`` pages
         (default: the budget for the logical length, within the cache's capacity)."""
-        with self._lock:
+        with self._claim():
             return self._evict(n_keep)
 
     def _evict(self, n_keep: int | None = None) -> EvictionResult:
@@ -167,15 +201,40 @@ class EntroKVLlama(llama_cpp.Llama):
     def generate(self, tokens, *args, **kwargs):
         """llama-cpp-python's generate, one at a time per instance: a generation started while
         another (from any thread) is still unfinished raises RuntimeError, since both would
-        write into the same cache. Finish or close a stream before starting the next."""
+        write into the same cache. Finish or close a stream before starting the next. Each step
+        (up to the next token) holds the cache's lock; between steps, calls from other threads
+        that touch the cache are refused (_claim) until the stream is exhausted or closed."""
         if not self._generating.acquire(blocking=False):
             raise RuntimeError("this EntroKVLlama is already generating (another stream is unfinished, maybe in "
                                "another thread): one instance holds one conversation at a time; finish or close "
                                "the other stream, or give each thread its own instance")
+        inner = super().generate(tokens, *args, **kwargs)
         try:
-            yield from super().generate(tokens, *args, **kwargs)
+            sent = None
+            while True:
+                with self._lock:
+                    self._generator_thread = threading.get_ident()   # whichever thread resumes the stream
+                    try:
+                        token = inner.send(sent)
+                    except StopIteration:
+                        return
+                sent = yield token
         finally:
+            self._generator_thread = None
+            inner.close()
             self._generating.release()
+
+    @contextlib.contextmanager
+    def _claim(self):
+        """The cache's lock, for a call that touches the cache; RuntimeError if a generation is
+        unfinished in another thread (its conversation would change under it)."""
+        with self._lock:
+            owner = self._generator_thread
+            if owner is not None and owner != threading.get_ident():
+                raise RuntimeError("this EntroKVLlama is generating in another thread (its stream is unfinished): "
+                                   "one instance holds one conversation at a time; finish or close that stream, "
+                                   "or give each thread its own instance")
+            yield
 
     def eval(self, tokens, guide=None) -> None:
         """Evaluate ``tokens`` (a prompt, a turn, or decoded tokens), in pieces with evictions in between
@@ -183,7 +242,7 @@ class EntroKVLlama(llama_cpp.Llama):
         None, the last ``guide`` tokens of ``tokens`` (the question and the assistant header that end
         a prompt); else token ids or a text (for a caller that evaluates the document and the question
         in separate calls); [] or "": none."""
-        with self._lock:
+        with self._claim():
             self._eval(tokens, guide)
 
     def _guide_tokens(self, tokens: list[int], guide) -> list[int]:
@@ -246,7 +305,7 @@ class EntroKVLlama(llama_cpp.Llama):
             self.evict()                        # after a prompt: down to the budget
 
     def reset(self) -> None:
-        with self._lock:
+        with self._claim():
             super().reset()
             self._window_scores = None
 
@@ -255,7 +314,8 @@ class EntroKVLlama(llama_cpp.Llama):
     def kv_report(self) -> dict:
         """KV memory of a full cache for the logical length vs what the cache holds now, per layer;
         the evictions so far and the wall time they took (``eviction_s``)."""
-        g = geometry(self)
+        with self._lock:                # a consistent reading, between two steps of another thread's decoding
+            g = geometry(self)
         layers = [{"il": l.il, "bytes_full": self.n_tokens * (l.k_bytes_per_cell + l.v_bytes_per_cell),
                    "bytes_held": g.n_used * (l.k_bytes_per_cell + l.v_bytes_per_cell)} for l in g.layers]
         return {"logical_tokens": self.n_tokens, "kept_tokens": g.n_used, "kv_cells": g.kv_size,
@@ -297,7 +357,7 @@ class EntroKVLlama(llama_cpp.Llama):
         """The whole state in memory: llama.cpp's state, the logical tokens, the true-position
         table, the last logits, the freshest window scores and the settings (what
         llama-cpp-python's caches keep between requests, and what ``save_session`` writes)."""
-        with self._lock:
+        with self._claim():
             size = llama_cpp.llama_state_get_size(self.ctx)
             buf = (llama_cpp.ctypes.c_uint8 * size)()
             n_bytes = llama_cpp.llama_state_get_data(self.ctx, buf, size)
@@ -326,10 +386,8 @@ class EntroKVLlama(llama_cpp.Llama):
         except (TypeError, ValueError) as e:
             raise session.SessionError(f"cannot load this state: its settings are not valid here ({e})") from None
         n = int(state.n_tokens)
-        if state.logits.size not in (0, self.n_vocab()) or state.true_pos.ndim != 2 or \
-                state.true_pos.shape[0] != geometry(self).n_slots or state.true_pos.shape[1] > self.kv_cells:
-            raise session.SessionError("cannot load this state: its arrays do not fit this cache")
-        with self._lock:
+        self._refuse_unfit(state, n)
+        with self._claim():
             backup = self.save_state() if self.n_tokens else None
             try:
                 self._apply_state(state, n, cfg)
@@ -339,15 +397,34 @@ class EntroKVLlama(llama_cpp.Llama):
                     self._apply_state(backup, backup.n_tokens, self.config)
                 else:
                     self.reset()
-                if isinstance(e, EntroKVError) or "refused" in str(e):
+                if isinstance(e, (EntroKVError, session.SessionError)) or "refused" in str(e):
                     raise session.SessionError(f"cannot load this state: {e}") from None
                 raise
+
+    def _refuse_unfit(self, state: session.EntroKVState, n: int) -> None:
+        """SessionError, before anything changes, if the state's arrays cannot belong to this cache
+        and model: logits, true positions, token ids (a token outside the vocabulary would crash
+        llama.cpp later), window scores."""
+        g = geometry(self)
+        ids = np.asarray(state.input_ids)[:n]
+        tp = state.true_pos
+        if state.logits.size not in (0, self.n_vocab()) or tp.ndim != 2 or tp.shape[0] != g.n_slots or \
+                tp.shape[1] > self.kv_cells or n < 0 or ids.size != n or \
+                (n and not 0 <= int(ids.min()) <= int(ids.max()) < self.n_vocab()):
+            raise session.SessionError("cannot load this state: its arrays do not fit this cache")
+        ws = state.window_scores
+        if ws is not None and not _scores_fit(ws, g, llama_cpp.llama_model_n_head(self.model), n):
+            raise session.SessionError("cannot load this state: its window scores do not fit this model and "
+                                       "conversation")
 
     def _apply_state(self, state: session.EntroKVState, n: int, cfg: EvictionConfig) -> None:
         raw = state.llama_state
         buf = (llama_cpp.ctypes.c_uint8 * len(raw)).from_buffer_copy(raw)
         if llama_cpp.llama_state_set_data(self.ctx, buf, len(raw)) != len(raw):
             raise session.SessionError("llama.cpp refused the saved state")
+        pos_max = geometry(self).pos_max
+        if pos_max != n - 1:
+            raise session.SessionError(f"its cache holds positions up to {pos_max}, not the {n} tokens it names")
         self._ensure_ids(n)
         self.input_ids[:n] = state.input_ids[:n]
         self.n_tokens = n
@@ -355,7 +432,7 @@ class EntroKVLlama(llama_cpp.Llama):
         if state.logits.size:
             set_last_logits(self, state.logits)
         self._requires_eval = state.logits.size == 0
-        self.controller = PageEntroKV(cfg)
+        self.controller = EvictionController(cfg)
         if state.true_pos.shape[1]:
             restore(self, np.ascontiguousarray(state.true_pos, dtype=np.int32))
         self._window_scores = state.window_scores

@@ -109,7 +109,10 @@ def serve(endpoint: str = "127.0.0.1:50052", n_threads: int | None = None, cache
     cache, so a model is sent once). Raises RPCUnavailableError if the port cannot be
     bound.
     """
+    from .llama import MAX_THREADS
     host, port = parse_endpoint(endpoint)
+    if n_threads is not None and not 1 <= n_threads <= MAX_THREADS:
+        raise ValueError(f"n_threads must be in 1..{MAX_THREADS}, got {n_threads}")
     ggml, rpc = _libs()
     with socket.socket(socket.AF_INET) as s:
         try:   # ggml prints and returns on a busy port; say so in our words first

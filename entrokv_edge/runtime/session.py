@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -111,8 +110,10 @@ def read(path: str | os.PathLike) -> EntroKVState:
             arrays = {k: z[k] for k in z.files}
     except FileNotFoundError:
         raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
-        raise SessionError(f"{name}: not an EntroKV Edge session file, or a damaged one ({e})") from e
+    except Exception as e:   # noqa: BLE001 - a damaged archive raises many kinds: BadZipFile, ValueError, EOFError,
+        # RuntimeError ('encrypted' flag), NotImplementedError (compression method), struct.error, ...
+        raise SessionError(f"{name}: not an EntroKV Edge session file, or a damaged one "
+                           f"({type(e).__name__}: {e})") from e
     if "meta" not in arrays:
         raise SessionError(f"{name}: not an EntroKV Edge session file (no header)")
     try:
@@ -134,14 +135,25 @@ def read(path: str | os.PathLike) -> EntroKVState:
             raise SessionError(f"{name}: damaged session file (array {k!r} is missing)")
         if _sha(arrays[k]) != sums[k]:
             raise SessionError(f"{name}: damaged session file (the checksum of {k!r} does not match)")
+    try:
+        return _state(arrays, meta, "ws_scores" in sums)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise SessionError(f"{name}: damaged session file ({type(e).__name__}: {e})") from e
+
+
+def _state(arrays: dict, meta: dict, with_scores: bool) -> EntroKVState:
+    """The state of a file whose checksums held (a file that does not fit raises ValueError,
+    KeyError, TypeError or IndexError)."""
     ws = None
-    if "ws_scores" in sums:
+    if with_scores:
         info = arrays["ws_info"]
         ws = WindowScores(arrays["ws_scores"], arrays["ws_true_pos"], arrays["ws_layers"], int(info[0]),
                           int(info[1]), int(info[2]))
     n = int(meta["n_tokens"])
     if arrays["input_ids"].size != n:
-        raise SessionError(f"{name}: damaged session file ({arrays['input_ids'].size} tokens for {n})")
+        raise ValueError(f"{arrays['input_ids'].size} tokens for {n}")
+    if not isinstance(meta["settings"], dict) or not isinstance(meta["identity"], dict):
+        raise TypeError("settings and identity must be objects")
     return EntroKVState(input_ids=arrays["input_ids"], n_tokens=n, llama_state=arrays["llama_state"].tobytes(),
                         seed=int(meta["seed"]), logits=arrays["logits"], true_pos=arrays["true_pos"],
                         window_scores=ws, settings=meta["settings"], identity=meta["identity"],

@@ -182,8 +182,11 @@ struct llama_entrokv_params {
 LLAMA_API struct llama_entrokv_params llama_entrokv_default_params(void);
 
 // scores [n_layers][n_head][n] (window attention over positions 0..n-1) -> out_pages
-// [n_layers][n_head_kv][N], ascending. Returns N (the same for every layer and group)
-// or a negative error (budget below the protected pages, bad shapes, n_out too small).
+// [n_layers][n_head_kv][N], ascending. Returns N (the same for every layer and group:
+// budget / page_size pages, or every page when budget >= n) or a negative error: budget
+// below the protected pages (LIST_LENGTH), bad shapes or parameters, or a score that is
+// not an attention weight - NaN, infinite or negative (INVALID_ARG); n_out too small
+// (BUFFER_SIZE). An all-zero head counts as uniform over the non-sink positions.
 LLAMA_API int32_t llama_entrokv_select_pages(
         const float * scores,
         int32_t n_layers,

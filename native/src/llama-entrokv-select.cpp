@@ -7,6 +7,11 @@
 // S = sum_h w_h p_h, page scores (sum or max of S over each page), then the protected
 // pages plus the highest-scoring others (ties: lower page first), N pages in all. The
 // sum is computed from per-head page sums, which is the same number with less work.
+//
+// Scores are attention weights: every one must be finite and >= 0 (a NaN, an infinity or a
+// negative score is refused with LLAMA_ENTROKV_ERR_INVALID_ARG, as the Python selector
+// refuses it with ValueError); an all-zero head gets the uniform distribution. A budget that
+// covers the n positions keeps every page, the partial last one included (as in Python).
 
 #include "llama-entrokv.h"
 #include "llama-entrokv-impl.h"
@@ -41,9 +46,17 @@ extern "C" int32_t llama_entrokv_select_pages(const float * scores, int32_t L, i
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "bad shape: %d layers, %d heads, %d KV heads, %d positions", L, H, G, n);
     }
     const int32_t P = prm->page_size;
-    if (P < 1 || prm->sinks < 0 || prm->recent < 1 || !(prm->tau > 0.0f) || prm->budget < 1) {
+    if (P < 1 || prm->sinks < 0 || prm->recent < 1 || !(prm->tau > 0.0f) || !std::isfinite(prm->tau) || prm->budget < 1) {
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG,
                 "bad parameters: page_size %d, sinks %d, recent %d, tau %g, budget %d", P, prm->sinks, prm->recent, prm->tau, prm->budget);
+    }
+    const size_t n_scores = (size_t) L * H * n;
+    for (size_t i = 0; i < n_scores; ++i) {
+        if (!(scores[i] >= 0.0f) || !std::isfinite(scores[i])) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG,
+                    "scores must be finite and >= 0 (attention weights): scores[%zu][%zu][%zu] = %g",
+                    i / ((size_t) H * n), i / (size_t) n % H, i % n, (double) scores[i]);
+        }
     }
     const int32_t r       = H / G;
     const int32_t n_pages = ceil_div(n, P);
@@ -55,7 +68,8 @@ extern "C" int32_t llama_entrokv_select_pages(const float * scores, int32_t L, i
         prot[j] = 1;
     }
     const int32_t n_prot = (int32_t) std::count(prot.begin(), prot.end(), 1);
-    const int32_t N = std::min(prm->budget / P, n_pages);
+    // a budget that covers the positions keeps all of them, the partial last page included
+    const int32_t N = prm->budget >= n ? n_pages : std::min(prm->budget / P, n_pages);
     if (N < n_prot) {
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_LIST_LENGTH,
                 "budget of %d tokens = %d pages is below the %d protected pages", prm->budget, N, n_prot);
@@ -79,7 +93,7 @@ extern "C" int32_t llama_entrokv_select_pages(const float * scores, int32_t L, i
                 double m = 0.0, sq = 0.0;
                 for (int32_t j = 0; j < n_pages; ++j) {
                     double acc = 0.0;
-                    for (int32_t t = std::max(j * P, ks); t < std::min(n, (j + 1) * P); ++t) {
+                    for (int64_t t = std::max<int64_t>((int64_t) j * P, ks); t < std::min<int64_t>(n, ((int64_t) j + 1) * P); ++t) {
                         acc += (double) s[t];
                         sq  += (double) s[t] * (double) s[t];
                     }
@@ -91,7 +105,7 @@ extern "C" int32_t llama_entrokv_select_pages(const float * scores, int32_t L, i
                 if (flagged[i]) {
                     // all mass on the sinks: the uniform distribution over the other keys
                     for (int32_t j = 0; j < n_pages; ++j) {
-                        const int32_t lo = std::max(j * P, ks), hi = std::min(n, (j + 1) * P);
+                        const int64_t lo = std::max<int64_t>((int64_t) j * P, ks), hi = std::min<int64_t>(n, ((int64_t) j + 1) * P);
                         ph[j] = hi > lo ? (hi - lo) * uniform : 0.0;
                     }
                     c[i] = uniform;
@@ -127,12 +141,16 @@ extern "C" int32_t llama_entrokv_select_pages(const float * scores, int32_t L, i
                 }
                 for (int32_t j = 0; j < n_pages; ++j) {
                     double v = -DBL_MAX;
-                    for (int32_t t = j * P; t < std::min(n, (j + 1) * P); ++t) { v = std::max(v, S[t]); }
+                    for (int64_t t = (int64_t) j * P; t < std::min<int64_t>(n, ((int64_t) j + 1) * P); ++t) { v = std::max(v, S[t]); }
                     pi[j] = v;
                 }
             }
             for (int32_t j = 0; j < n_pages; ++j) {
-                if (prot[j]) { pi[j] = INFINITY; }
+                if (prot[j]) {
+                    pi[j] = INFINITY;
+                } else if (std::isnan(pi[j])) {
+                    pi[j] = -DBL_MAX;       // cannot happen with valid scores; keeps the comparison a strict weak order
+                }
             }
             std::iota(order.begin(), order.end(), 0);
             std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return pi[x] > pi[y]; });
@@ -184,8 +202,8 @@ extern "C" int32_t llama_entrokv_evict(llama_context * ctx, llama_seq_id seq_id,
         const size_t before = cells.size();
         for (int32_t j = 0; j < N; ++j) {
             const int32_t pg = pages[slot * N + j];
-            for (int32_t t = pg * prm->page_size; t < std::min(n, (pg + 1) * prm->page_size); ++t) {
-                cells.push_back(t);
+            for (int64_t t = (int64_t) pg * prm->page_size; t < std::min<int64_t>(n, ((int64_t) pg + 1) * prm->page_size); ++t) {
+                cells.push_back((int32_t) t);
             }
         }
         lens[slot] = (int32_t) (cells.size() - before);
