@@ -699,6 +699,32 @@ def _part_seconds(d) -> float:
     return sum(x["seconds"] for x in runs) if runs else d["meta"]["seconds"]
 
 
+def robustness_section(soak, fuzz) -> str:
+    """Section 9 from results/soak.json (benchmarks/soak.py) and results/fuzz.json (benchmarks/fuzz.py)."""
+    s = ["## 9. Robustness: the soak against the oracle, fuzzing\n\n"]
+    if soak:
+        k = soak
+        s.append(f"**Soak** (`benchmarks/soak.py`, {k['model']}, {k['policy']} at {k['budget']}, an F32 cache of "
+                 f"{k['kv_cells']} cells): {k['turns']} turns, {k['prompt_tokens']} prompt and {k['decoded_tokens']} "
+                 f"decoded tokens ({k['logical_tokens']} logical), {k['evictions']} evictions. Against the state-rewrite "
+                 f"oracle (the state before each eviction rewritten in Python with the kept positions): state equal in "
+                 f"{k['blob_equal']} of {k['checked']}, true-position table equal in {k['table_equal']} of "
+                 f"{k['checked']}, max |logit difference| of the first evaluation after each eviction "
+                 f"{k['max_logit_diff']:g}. RSS {k['rss_first']} -> {k['rss_last']} MiB, slope after "
+                 f"{k['warmup_turns']} warm-up turns {k['rss_slope_mib_per_turn']:+.2f} MiB/turn; malloc's bytes in "
+                 f"use {k['malloc_slope_mib_per_turn']:+.3f} MiB/turn ({k['seconds'] / 60:.1f} min).\n\n")
+    if fuzz:
+        rows = [[name, v["inputs"], v["accepted"], v["inputs"] - v["accepted"],
+                 ", ".join(f"{o} {n}" for o, n in list(v["outcomes"].items())[:4]), v["seconds"]]
+                for name, v in fuzz["parts"].items()]
+        s.append(f"**Fuzzing** (`benchmarks/fuzz.py`, {fuzz['examples']} random inputs per part"
+                 f"{', derandomized' if fuzz.get('derandomize') else ', new ones on every run'}): no crash, no abort, "
+                 "every accepted input equal to its reference and every refusal the expected one with the cache "
+                 "unchanged (docs/robustness.md says what each part checks).\n\n")
+        s.append(_table(["part", "inputs", "accepted", "refused", "most frequent outcomes", "seconds"], rows))
+    return "".join(s)
+
+
 def write(results: Path, report: Path, total_seconds: float | None = None) -> None:
     results = Path(results)
     parts = {p: _load(results, p) for p in ("uor", "masquerade", "niah", "fidelity", "speed", "peers", "variants")}
@@ -706,6 +732,7 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
     agnostic = _load(results, "agnostic")
     cost = _load(results, "eviction_cost")
     long_prompt = _load(results, "long_prompt")
+    soak, fuzz = _load(results, "soak"), _load(results, "fuzz")
     any_meta = next((v["meta"] for v in parts.values() if v), None)
     if any_meta is None:
         raise SystemExit(f"no results in {results}")
@@ -751,6 +778,8 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
             s.append(makers[p](d) + "\n")
     if long_prompt:
         s.append(long_prompt_section(long_prompt) + "\n")
+    if soak or fuzz:
+        s.append(robustness_section(soak, fuzz) + "\n")
     Path(report).write_text("".join(s))
 
 

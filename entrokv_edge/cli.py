@@ -184,7 +184,10 @@ def _parse_value(key: str, text: str):
     if text.lower() in ("none", "null") and type(None) in kinds:
         return None
     if key == "budget":
-        return _budget(text)
+        try:
+            return _budget(text)
+        except argparse.ArgumentTypeError as e:
+            raise CLIError(f"--set budget: {e}")
     for kind in (int, float):
         if kind in kinds:
             try:

@@ -110,7 +110,7 @@ def test_chat_with_save_load_and_stats(smollm2, tmp_path):
                                   "config missing", "empty file", "non-UTF-8 file", "device file", "budget inf",
                                   "kv-cells above the context", "kv-cells beyond uint32", "threads above ggml",
                                   "threads zero", "temperature nan", "not an integer", "unknown option",
-                                  "prompt longer than the context"])
+                                  "prompt longer than the context", "set budget nan"])
 def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     from synth import write_model
     notgguf = tmp_path / "x.gguf"
@@ -159,6 +159,7 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
         "not an integer": ["-m", smollm2, "-f", doc, "--kv-cells", "3.5"],
         "unknown option": ["-m", smollm2, "-f", doc, "--bogus"],
         "prompt longer than the context": ["-m", smollm2, "-f", tmp_path / "long.txt"],
+        "set budget nan": ["-m", smollm2, "-f", doc, "--set", "budget=nan"],
         "unsupported architecture": ["-m", write_model(tmp_path / "vl.gguf", arch="qwen2vl", n_head=4, n_head_kv=2),
                                      "-p", "hello there, how are you doing today my friend", "--budget", 1.0],
     }[case]
@@ -181,7 +182,8 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
             "kv-cells beyond uint32": "more than the model's context", "threads above ggml": "at most 512",
             "threads zero": "must be an integer >= 1", "temperature nan": "finite number",
             "not an integer": "expected an integer, got '3.5'", "unknown option": "unrecognized arguments: --bogus",
-            "prompt longer than the context": "does not fit the model's context (8192 tokens)"}.get(case)
+            "prompt longer than the context": "does not fit the model's context (8192 tokens)",
+            "set budget nan": "--set budget: budget must be a fraction"}.get(case)
     assert want is None or want in lines[0], lines[0]
 
 
