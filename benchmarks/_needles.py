@@ -15,6 +15,25 @@ ANIMALS = ["otter", "falcon", "badger", "heron", "lynx", "marten", "ibis", "geck
 COLOURS = ["red", "blue", "green", "yellow", "orange", "purple", "white", "black", "grey", "brown", "silver", "golden"]
 
 
+# kind: (keys, number range, letters before the number, needle, question)
+NEEDLES = {
+    "magic": (CITIES, (1_000_000, 10_000_000), "", "One of the special magic numbers for {key} is: {number}.",
+              "What is the special magic number for {key} mentioned in the provided text?"),
+    "passkey": (COLOURS, (10_000, 100_000), "", "The pass key for the {key} door is {number}. Remember it.",
+                "What is the pass key for the {key} door?"),
+    "room": (NAMES, (100, 1000), "", "The meeting with {key} was moved to room {number} on floor {floor}.",
+             "Which room was the meeting with {key} moved to?"),
+    "gate": (CITIES, (10, 100), "ABCDEFGH", "The flight to {key} leaves from gate {number}.",
+             "Which gate does the flight to {key} leave from?"),
+    "locker": (ANIMALS, (1000, 10_000), "", "The locker with the {key} sticker opens with code {number}.",
+               "What is the code of the locker with the {key} sticker?"),
+    "drawer": (NAMES, (100, 1000), "", "The spare key for {key}'s bicycle is in drawer {number}.",
+               "In which drawer is the spare key for {key}'s bicycle? Answer with the drawer number."),
+    "safe": (COLOURS, (100_000, 1_000_000), "", "The combination of the {key} safe in the archive is {number}.",
+             "What is the combination of the {key} safe in the archive? Answer with the number."),
+}
+
+
 def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str = "magic",
                  question_first: bool = False) -> tuple[H.Prompt, str]:
     """A needle with a key and a number: its prompt (needlehaystack's construction, our needle
@@ -26,37 +45,16 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str
     combination of a coloured safe, 6 digits, the question asking for the number. question_first: the
     user turn is the question, a blank line and the document (meta["question_tokens"]: the question's
     tokens there), instead of the document, a blank line and the question."""
-    rng = random.Random(seed)
-    if kind == "magic":
-        key, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
-        needle = f"\nOne of the special magic numbers for {key} is: {number}.\n"
-        question = f"What is the special magic number for {key} mentioned in the provided text?"
-    elif kind == "passkey":
-        key, number = rng.choice(COLOURS), str(rng.randrange(10_000, 100_000))
-        needle = f"\nThe pass key for the {key} door is {number}. Remember it.\n"
-        question = f"What is the pass key for the {key} door?"
-    elif kind == "room":
-        key, number, floor = rng.choice(NAMES), str(rng.randrange(100, 1000)), rng.randrange(2, 10)
-        needle = f"\nThe meeting with {key} was moved to room {number} on floor {floor}.\n"
-        question = f"Which room was the meeting with {key} moved to?"
-    elif kind == "gate":
-        key, number = rng.choice(CITIES), rng.choice("ABCDEFGH") + str(rng.randrange(10, 100))
-        needle = f"\nThe flight to {key} leaves from gate {number}.\n"
-        question = f"Which gate does the flight to {key} leave from?"
-    elif kind == "locker":
-        key, number = rng.choice(ANIMALS), str(rng.randrange(1000, 10_000))
-        needle = f"\nThe locker with the {key} sticker opens with code {number}.\n"
-        question = f"What is the code of the locker with the {key} sticker?"
-    elif kind == "drawer":
-        key, number = rng.choice(NAMES), str(rng.randrange(100, 1000))
-        needle = f"\nThe spare key for {key}'s bicycle is in drawer {number}.\n"
-        question = f"In which drawer is the spare key for {key}'s bicycle? Answer with the drawer number."
-    elif kind == "safe":
-        key, number = rng.choice(COLOURS), str(rng.randrange(100_000, 1_000_000))
-        needle = f"\nThe combination of the {key} safe in the archive is {number}.\n"
-        question = f"What is the combination of the {key} safe in the archive? Answer with the number."
-    else:
+    if kind not in NEEDLES:
         raise ValueError(f"unknown needle kind {kind!r}")
+    keys, (lo, hi), letters, needle, question = NEEDLES[kind]
+    rng = random.Random(seed)                     # draws in this order: key, letter, number, floor
+    key = rng.choice(keys)
+    number = (rng.choice(letters) if letters else "") + str(rng.randrange(lo, hi))
+    fill = {"key": key, "number": number}
+    if "{floor}" in needle:
+        fill["floor"] = rng.randrange(2, 10)
+    needle, question = "\n" + needle.format(**fill) + "\n", question.format(**fill)
     head, tail = H.chat_parts(llm, "" if question_first else question, system=False)
     q_first = H.text_tokens(llm, question + "\n\n") if question_first else []
     head = head + q_first

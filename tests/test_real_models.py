@@ -15,38 +15,49 @@ def tokens(llm):
     return llm.tokenize(TEXT.encode(), add_bos=True)
 
 
-def test_smollm2_same_keep_matches_seq_rm_oracle(smollm2):
-    a, b = make_llm(smollm2, n_ctx=512, type_k="f32"), make_llm(smollm2, n_ctx=512, type_k="f32")
+def check_same_keep_against_seq_rm(path, n_ctx, geometry, stride, n_probe):
+    """One keep on every slot (sinks, every stride-th token, the last 8) against llama.cpp's own seq_rm
+    of the other positions, on F32 caches: the next tokens' logits agree (up to accumulation order)."""
+    a, b = make_llm(path, n_ctx=n_ctx, type_k="f32"), make_llm(path, n_ctx=n_ctx, type_k="f32")
     toks = tokens(a)
     n = len(toks)
     feed(a, toks), feed(b, toks)
     g = ek.geometry(a)
-    assert (g.n_layers, g.n_slots) == (30, 90)
-    keep = np.sort(np.concatenate([np.arange(4), np.arange(10, n, 2), np.arange(n - 8, n)]))
-    keep = np.unique(keep)
+    assert (g.n_layers, g.n_slots, g.layers[0].n_head_kv) == geometry
+    keep = np.unique(np.concatenate([np.arange(4), np.arange(9, n, stride), np.arange(n - 8, n)]))
     ek.compact(a, np.tile(keep, (g.n_slots, 1)).astype(np.int32))
     for p in sorted(set(range(n)) - set(keep.tolist())):
         assert b._ctx.kv_cache_seq_rm(0, p, p + 1)
-    for t in tokens(a)[1:5]:
+    for t in tokens(a)[1:1 + n_probe]:
         assert np.abs(feed(a, [t]) - feed(b, [t])).max() < 1e-3
 
 
-def test_smollm2_per_head_compaction_matches_oracle_and_keeps_decoding(smollm2):
-    a = make_llm(smollm2, n_ctx=512)
+def check_per_head_keep_against_state_rewrite(path, n_ctx, seed, first, steps):
+    """A random keep per (layer, KV head) equals the state rewritten in Python, byte for byte, and a
+    second context loaded with that state decodes the same tokens and logits."""
+    a = make_llm(path, n_ctx=n_ctx)
     toks = tokens(a)
     n = len(toks)
     feed(a, toks)
     g = ek.geometry(a)
     full = state_blob(a)
-    keep = random_keep(np.random.default_rng(0), g.n_slots, n, n // 2, protect=8)
+    keep = random_keep(np.random.default_rng(seed), g.n_slots, n, n // 2, protect=8)
     ek.compact(a, keep)
     expected = oracle_blob(full, g, keep)
     assert state_blob(a) == expected
-    b = make_llm(smollm2, n_ctx=512)
+    b = make_llm(path, n_ctx=n_ctx)
     load_blob(b, expected, toks)
-    ta, la = greedy(a, 198, 24)
-    tb, lb = greedy(b, 198, 24)
+    ta, la = greedy(a, first if first is not None else toks[1], steps)
+    tb, lb = greedy(b, first if first is not None else toks[1], steps)
     assert ta == tb and max(np.abs(x - y).max() for x, y in zip(la, lb)) <= 1e-5
+
+
+def test_smollm2_same_keep_matches_seq_rm_oracle(smollm2):
+    check_same_keep_against_seq_rm(smollm2, 512, (30, 90, 3), stride=2, n_probe=4)
+
+
+def test_smollm2_per_head_compaction_matches_oracle_and_keeps_decoding(smollm2):
+    check_per_head_keep_against_state_rewrite(smollm2, 512, seed=0, first=198, steps=24)
 
 
 def test_gemma3_compacts_the_base_cache_and_leaves_swa_untouched(gemma3):
@@ -91,36 +102,11 @@ def test_gemma3_observes_and_evicts_only_its_full_attention_layers(gemma3):
 def test_qwen25_geometry_and_f32_compaction_matches_seq_rm_oracle(qwen25):
     """r = 7: 24 layers x 2 KV heads; the same keep on every slot equals llama.cpp's own
     seq_rm of the other positions (F32 cache: exact up to accumulation order)."""
-    a, b = make_llm(qwen25, n_ctx=256, type_k="f32"), make_llm(qwen25, n_ctx=256, type_k="f32")
-    toks = tokens(a)
-    n = len(toks)
-    feed(a, toks), feed(b, toks)
-    g = ek.geometry(a)
-    assert (g.n_layers, g.n_slots, g.layers[0].n_head_kv) == (24, 48, 2)
-    keep = np.unique(np.concatenate([np.arange(4), np.arange(9, n, 3), np.arange(n - 8, n)]))
-    ek.compact(a, np.tile(keep, (g.n_slots, 1)).astype(np.int32))
-    for p in sorted(set(range(n)) - set(keep.tolist())):
-        assert b._ctx.kv_cache_seq_rm(0, p, p + 1)
-    for t in tokens(a)[1:4]:
-        assert np.abs(feed(a, [t]) - feed(b, [t])).max() < 1e-3
+    check_same_keep_against_seq_rm(qwen25, 256, (24, 48, 2), stride=3, n_probe=3)
 
 
 def test_qwen25_per_head_compaction_matches_state_rewrite_oracle(qwen25):
-    a = make_llm(qwen25, n_ctx=256)
-    toks = tokens(a)
-    n = len(toks)
-    feed(a, toks)
-    g = ek.geometry(a)
-    full = state_blob(a)
-    keep = random_keep(np.random.default_rng(2), g.n_slots, n, n // 2, protect=8)
-    ek.compact(a, keep)
-    expected = oracle_blob(full, g, keep)
-    assert state_blob(a) == expected
-    b = make_llm(qwen25, n_ctx=256)
-    load_blob(b, expected, toks)
-    ta, la = greedy(a, toks[1], 12)
-    tb, lb = greedy(b, toks[1], 12)
-    assert ta == tb and max(np.abs(x - y).max() for x, y in zip(la, lb)) <= 1e-5
+    check_per_head_keep_against_state_rewrite(qwen25, 256, seed=2, first=None, steps=12)
 
 
 def test_qwen25_every_group_keeps_one_exact_budget_while_the_heads_would_not(qwen25):
