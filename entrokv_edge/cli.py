@@ -206,6 +206,8 @@ def _settings(args) -> dict:
             data = json.loads(_read_text(args.config))
         except json.JSONDecodeError as e:
             raise CLIError(f"{args.config} is not a JSON object of settings ({e.msg}, line {e.lineno})")
+        except (ValueError, RecursionError) as e:     # a number of thousands of digits, nesting too deep
+            raise CLIError(f"{args.config} is not a JSON object of settings ({type(e).__name__}: {str(e)[:80]})")
         if not isinstance(data, dict):
             raise CLIError(f"{args.config} must hold a JSON object of settings, e.g. {{\"page_size\": 16}}")
         given.update(data)
@@ -232,7 +234,7 @@ def _settings(args) -> dict:
 def _load(args, n_prompt: int | None):
     """An EntroKVLlama for args; n_prompt (tokens) sizes the default cache and checks the budget."""
     from . import EntroKVError, EntroKVLlama
-    from .runtime.llama import reserved_cells
+    from .runtime.llama import cells_to_hold, reserved_cells
     path = _model_file(args.model)
     settings = _settings(args)
     cfg = settings["eviction"]
@@ -240,9 +242,8 @@ def _load(args, n_prompt: int | None):
     n_ctx = _context_length(args)
     cells = args.kv_cells
     if cells is None:
-        # the prompt and the answer fit beside the quarter the runtime keeps free for new tokens
-        need = ((n_prompt or 2048) + max_new + 64) * 4 // 3
-        cells = min(max(256, -(-need // 256) * 256), max(n_ctx, 256))
+        # the prompt and the answer fit beside the cells an eviction leaves free
+        cells = min(cells_to_hold((n_prompt or 2048) + max_new + 64, cfg), max(n_ctx, 256))
         if cfg.budget is None:      # a cache sized to the prompt: the budget is a share of it
             cfg = settings["eviction"] = dataclasses.replace(cfg, budget=DEFAULT_BUDGET)
     elif cells > n_ctx:
@@ -356,7 +357,10 @@ def cmd_run(args) -> int:
     llm.progress = update
     echo = (lambda s: None) if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     n0 = llm.n_tokens
-    answer, t_pre, t_dec, n_dec = _generate(llm, args, text, echo)
+    try:
+        answer, t_pre, t_dec, n_dec = _generate(llm, args, text, echo)
+    except ValueError as e:             # llama-cpp-python's refusal of a prompt longer than the context
+        raise CLIError(f"not answered: {e}")
     if bar is not None:
         bar.close()
     rep = llm.kv_report()

@@ -344,14 +344,15 @@ def build_app(llm, alias: str, conversations: int = DEFAULT_CONVERSATIONS,
 
 def add_parser(sub, common) -> None:
     """The ``serve`` subcommand; ``common`` holds the model and eviction flags ``run`` has."""
+    from .cli import _at_least, _finite
     p = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback; no authentication)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}; 0: a free one")
-    p.add_argument("--conversations", type=int, default=DEFAULT_CONVERSATIONS,
+    p.add_argument("--conversations", type=_at_least(0), default=DEFAULT_CONVERSATIONS,
                    help=f"saved conversation states kept (default {DEFAULT_CONVERSATIONS}; 0: none)")
-    p.add_argument("--conversations-mib", type=float, default=DEFAULT_CONVERSATIONS_MIB,
+    p.add_argument("--conversations-mib", type=_finite, default=DEFAULT_CONVERSATIONS_MIB,
                    help=f"memory for saved conversation states, MiB (default {DEFAULT_CONVERSATIONS_MIB})")
-    p.add_argument("--queue", type=int, default=DEFAULT_QUEUE,
+    p.add_argument("--queue", type=_at_least(0), default=DEFAULT_QUEUE,
                    help=f"requests that may wait while one generates; more get 503 (default {DEFAULT_QUEUE})")
 
 

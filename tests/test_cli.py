@@ -110,7 +110,8 @@ def test_chat_with_save_load_and_stats(smollm2, tmp_path):
                                   "config missing", "empty file", "non-UTF-8 file", "device file", "budget inf",
                                   "kv-cells above the context", "kv-cells beyond uint32", "threads above ggml",
                                   "threads zero", "temperature nan", "not an integer", "unknown option",
-                                  "prompt longer than the context", "set budget nan"])
+                                  "prompt longer than the context", "set budget nan", "config huge number",
+                                  "config as a bool"])
 def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     from synth import write_model
     notgguf = tmp_path / "x.gguf"
@@ -121,6 +122,9 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
     binary.write_bytes(bytes(range(256)))
     listfile = tmp_path / "list.json"
     listfile.write_text("[1, 2]")
+    hugefile, boolfile = tmp_path / "huge.json", tmp_path / "bool.json"
+    hugefile.write_text('{"pool": ' + "9" * 5000 + "}")
+    boolfile.write_text('{"window": true}')
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e".encode("latin-1"))
     (tmp_path / "long.txt").write_text("the keeper wrote a ledger of every ship " * 1500)   # ~ 12k tokens > 8192
@@ -160,6 +164,8 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
         "unknown option": ["-m", smollm2, "-f", doc, "--bogus"],
         "prompt longer than the context": ["-m", smollm2, "-f", tmp_path / "long.txt"],
         "set budget nan": ["-m", smollm2, "-f", doc, "--set", "budget=nan"],
+        "config huge number": ["-m", smollm2, "-f", doc, "--config", hugefile],
+        "config as a bool": ["-m", smollm2, "-f", doc, "--config", boolfile],
         "unsupported architecture": ["-m", write_model(tmp_path / "vl.gguf", arch="qwen2vl", n_head=4, n_head_kv=2),
                                      "-p", "hello there, how are you doing today my friend", "--budget", 1.0],
     }[case]
@@ -183,7 +189,8 @@ def test_bad_input_is_one_clear_line(smollm2, doc, tmp_path, case):
             "threads zero": "must be an integer >= 1", "temperature nan": "finite number",
             "not an integer": "expected an integer, got '3.5'", "unknown option": "unrecognized arguments: --bogus",
             "prompt longer than the context": "does not fit the model's context (8192 tokens)",
-            "set budget nan": "--set budget: budget must be a fraction"}.get(case)
+            "set budget nan": "--set budget: budget must be a fraction",
+            "config huge number": "is not a JSON object of settings", "config as a bool": "window must be an integer"}.get(case)
     assert want is None or want in lines[0], lines[0]
 
 

@@ -266,7 +266,8 @@ def serve_cli(*args, env=None):
     return r.returncode, r.stdout, r.stderr
 
 
-@pytest.mark.parametrize("case", ["missing model", "busy port", "bad port", "budget above cache", "no server extra"])
+@pytest.mark.parametrize("case", ["missing model", "busy port", "bad port", "budget above cache", "no server extra",
+                                  "memory nan", "queue negative"])
 def test_bad_serve_input_is_one_clear_line(smollm2, tmp_path, case):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -275,7 +276,9 @@ def test_bad_serve_input_is_one_clear_line(smollm2, tmp_path, case):
                 "busy port": ["-m", smollm2, "--port", busy.getsockname()[1]],
                 "bad port": ["-m", smollm2, "--port", 70000],
                 "budget above cache": ["-m", smollm2, "--port", 0, "--kv-cells", 512, "--budget", 1000],
-                "no server extra": ["-m", smollm2, "--port", 0]}[case]
+                "no server extra": ["-m", smollm2, "--port", 0],
+                "memory nan": ["-m", smollm2, "--port", 0, "--conversations-mib", "nan"],
+                "queue negative": ["-m", smollm2, "--port", 0, "--queue", -1]}[case]
         env = None
         if case == "no server extra":       # an install without the extra: fastapi cannot be imported
             (tmp_path / "fastapi").mkdir()
@@ -285,7 +288,8 @@ def test_bad_serve_input_is_one_clear_line(smollm2, tmp_path, case):
     lines = err.strip().splitlines()
     assert rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith("entrokv-edge: "), err
     want = {"missing model": "nope.gguf", "busy port": "cannot listen", "bad port": "--port",
-            "budget above cache": "budget of 1000 tokens", "no server extra": 'pip install -e ".[server]"'}[case]
+            "budget above cache": "budget of 1000 tokens", "no server extra": 'pip install -e ".[server]"',
+            "memory nan": "--conversations-mib: expected a finite number", "queue negative": "--queue: must be"}[case]
     assert want in lines[0]
 
 

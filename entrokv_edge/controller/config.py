@@ -164,11 +164,12 @@ class EvictionConfig:
             bad(f"a token budget must be >= 1, got {self.budget}")
         for name in ("page_size", "window"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(f"{name} must be an integer >= 1, got {v!r}")
-        if not isinstance(self.sinks, int) or self.sinks < 0:
+        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
             bad(f"sinks must be an integer >= 0, got {self.sinks!r}")
-        if self.recent is not None and (not isinstance(self.recent, int) or self.recent < self.window):
+        if self.recent is not None and (not isinstance(self.recent, int) or isinstance(self.recent, bool)
+                                        or self.recent < self.window):
             bad(f"recent must be an integer >= window ({self.window}), got {self.recent!r}")
         if not (isinstance(self.tau, (int, float)) and self.tau > 0 and math.isfinite(self.tau)):
             bad(f"tau must be a positive number, got {self.tau!r}")

@@ -39,6 +39,15 @@ def reserved_cells(kv_cells: int, cfg: EvictionConfig) -> int:
     return max(cfg.window + cfg.page_size, kv_cells // 4)
 
 
+def cells_to_hold(n_tokens: int, cfg: EvictionConfig, step: int = 256) -> int:
+    """The smallest cache, a multiple of ``step``, that holds ``n_tokens`` beside the cells an
+    eviction leaves free."""
+    cells = step
+    while cells - reserved_cells(cells, cfg) < n_tokens:
+        cells += step
+    return cells
+
+
 def _check_context_params(kwargs: dict) -> None:
     """Refuse what llama-cpp-python passes on unchecked and llama.cpp cannot take: more threads than
     ggml's maximum (a segfault), a cache size outside uint32 (silently truncated)."""
@@ -382,7 +391,7 @@ class EntroKVLlama(llama_cpp.Llama):
         if why:
             raise session.SessionError(f"cannot load this state: {why}")
         try:   # options added after a state was saved did not exist then: off, not today's defaults
-            cfg = EvictionConfig(**{**{k: OFF[k] for k in EDGE_OPTIONS}, **state.settings})
+            cfg = EvictionConfig(**{**{k: OFF[k] for k in EDGE_OPTIONS}, "guide": 0, **state.settings})
         except (TypeError, ValueError) as e:
             raise session.SessionError(f"cannot load this state: its settings are not valid here ({e})") from None
         n = int(state.n_tokens)
