@@ -341,7 +341,8 @@ def long_prompt_section(d) -> str:
             share = [r["guide_s"] / r["prefill_s"] for r in cost]
             s.append(f"The guide's own cost: {float(np.median(share)) * 100:.1f}% of the guided prefill's time (median; "
                      f"{float(np.median([r['guided'] for r in cost])):.0f} guided evictions per prompt).\n\n")
-    fr = [r for r in rows if r["part"] == "fidelity"]
+    fr = [r for r in rows if r["part"] == "fidelity" and r["config"] != "not run"]
+    not_run = [r for r in rows if r["part"] == "fidelity" and r["config"] == "not run"]
     if fr:
         key = lambda r: (r["model"], r["kind"], r["source"])  # noqa: E731
         by = {(r["config"], key(r)): r for r in fr}
@@ -360,6 +361,9 @@ def long_prompt_section(d) -> str:
                  "the whole prompt in the cache, evicted once after it to the same number of tokens):\n\n")
         s.append(_table(["model", "prompts", "cells", "kept", "one eviction KL", "piecewise KL", "guided KL",
                          "guided / one eviction", "guided vs piecewise (wins-losses)"], table))
+        s.append("The goal: guided within 1.5x of one eviction's mean KL.\n\n")
+    for r in not_run:
+        s.append(f"Fidelity through {r['cells']} cells, {r['model']}: not run ({r['reason']}).\n\n")
     return "".join(s)
 
 

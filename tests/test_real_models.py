@@ -134,3 +134,21 @@ def test_qwen25_every_group_keeps_one_exact_budget_while_the_heads_would_not(qwe
             assert m["policy_uor"] == 1.0 and m["kept_pages"] == m["budget_pages"]
         out, _ = greedy(llm, toks[-1], 4)
         assert len(out) == 4
+
+
+def test_gemma3_cache_too_small_for_its_sliding_window_is_refused_and_the_boundary_runs(gemma3):
+    """Gemma 3's sliding-window layers keep the last n_swa (512) tokens plus a ubatch in a cache as
+    large as the base one: below n_swa + n_ubatch cells llama_decode found no slot in the middle of
+    a long prompt (a RuntimeError); now the constructor refuses it, and a cache at the boundary reads
+    a prompt over twice its size, in pieces with evictions, to the end."""
+    import pytest
+    from entrokv_edge import EntroKVLlama
+    with pytest.raises(ValueError, match="n_ctx must be >= 1024"):
+        EntroKVLlama(str(gemma3), n_ctx=512, verbose=False)
+    llm = EntroKVLlama(str(gemma3), n_ctx=768, n_batch=256, n_ubatch=256, verbose=False)
+    toks = (tokens(llm)[1:] * 60)[:1800]
+    llm.eval(toks)
+    rep = llm.kv_report()
+    assert rep["logical_tokens"] == 1800 and rep["evictions"] >= 3 and rep["kept_tokens"] <= 768
+    out, _ = greedy(llm, toks[-1], 4)
+    assert len(out) == 4

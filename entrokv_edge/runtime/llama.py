@@ -103,6 +103,15 @@ class EntroKVLlama(llama_cpp.Llama):
         if cfg.window > self.n_batch or cfg.window > self.context_params.n_ubatch:
             raise ValueError(f"window {cfg.window} must fit one batch (n_batch {self.n_batch}, "
                              f"n_ubatch {self.context_params.n_ubatch})")
+        n_swa = int(llama_cpp.llama_model_n_swa(self.model)) if g.is_iswa else 0
+        if n_swa and self.kv_cells < n_swa + self.context_params.n_ubatch:
+            # the sliding-window layers' cache has as many cells as the base cache and is never evicted by us:
+            # it holds the window before a ubatch plus the ubatch itself, or llama_decode finds no slot
+            self.close()
+            raise ValueError(f"a cache of {self.kv_cells} cells cannot run this model's sliding-window layers: they "
+                             f"keep the last {n_swa} tokens plus a ubatch ({self.context_params.n_ubatch}), so n_ctx "
+                             f"must be >= {n_swa + self.context_params.n_ubatch}; give a larger n_ctx, or a smaller "
+                             f"n_ubatch (and n_batch), at least the window ({cfg.window})")
         self.reserve = reserved_cells(self.kv_cells, cfg)
         min_keep = (-(-cfg.sinks // cfg.page_size) + -(-cfg.rho // cfg.page_size) + 1) * cfg.page_size
         if self.kv_cells - self.reserve < min_keep:
