@@ -361,7 +361,7 @@ def long_prompt_section(d) -> str:
                  "the whole prompt in the cache, evicted once after it to the same number of tokens):\n\n")
         s.append(_table(["model", "prompts", "cells", "kept", "one eviction KL", "piecewise KL", "guided KL",
                          "guided / one eviction", "guided vs piecewise (wins-losses)"], table))
-        s.append("The goal: guided within 1.5x of one eviction's mean KL.\n\n")
+        s.append("\nThe goal: guided within 1.5x of one eviction's mean KL.\n\n")
     for r in not_run:
         s.append(f"Fidelity through {r['cells']} cells, {r['model']}: not run ({r['reason']}).\n\n")
     return "".join(s)
