@@ -212,3 +212,29 @@ def test_fidelity_refuses_a_budget_outside_the_unit_interval():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fidelity.py"), "--budgets", "0.2", "1.5"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "budgets must be fractions in (0, 1], got [0.2, 1.5]" in r.stderr
+
+
+def test_report_sections_8_and_9_render_their_rows():
+    """Section 8's fidelity table pairs guided with piecewise per prompt and names a model that could
+    not run through the small cache with its reason; section 9 carries the soak's oracle counts and
+    every fuzz part. Synthetic rows, so a wrong pairing or a dropped row shows."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+    rows = []
+    for i, (pw, gd) in enumerate([(0.3, 0.1), (0.2, 0.25), (0.4, 0.2)]):
+        base = {"part": "fidelity", "split": "fidelity", "model": "m", "kind": "qa", "source": f"s{i}", "cells": 512,
+                "commit": "c"}
+        rows += [{**base, "config": "one eviction", "kl_mean": 0.1, "kept_tokens": 384},
+                 {**base, "config": "piecewise", "kl_mean": pw}, {**base, "config": "guided", "kl_mean": gd}]
+    rows.append({"part": "fidelity", "split": "fidelity", "model": "g", "config": "not run", "cells": 512,
+                 "reason": "a cache of 512 cells cannot run it", "commit": "c"})
+    s = report.long_prompt_section({"meta": {}, "data": {"rows": rows}})
+    line = next(l for l in s.splitlines() if l.startswith("| m |"))
+    assert "| 3 | 512 | 384 |" in line and "0.183" in line and "1.83x" in line and "2-1" in line
+    assert "g: not run (a cache of 512 cells cannot run it)" in s
+    soak = json.loads((ROOT / "benchmarks" / "results" / "soak.json").read_text())
+    fuzz = {"examples": 5, "derandomize": True, "parts": {"compact": {"inputs": 5, "accepted": 2, "seconds": 0.1,
+                                                                       "outcomes": {"ok": 2, "LIST_LENGTH": 3}}}}
+    s = report.robustness_section(soak, fuzz)
+    assert f"state equal in {soak['blob_equal']} of {soak['checked']}" in s
+    assert "| compact | 5 | 2 | 3 | ok 2, LIST_LENGTH 3 |" in s
