@@ -265,12 +265,17 @@ def _params(ffi, lib, *, budget: int, page_size: int, sinks: int, recent: int, t
     return p
 
 
-def _defaults(page_size, sinks, recent, tau) -> tuple:
-    """The settings not given: Page-EntroKV's, from the one place they live (controller/config.py)."""
+@lru_cache(maxsize=1)
+def _method_defaults() -> tuple:
+    """Page-EntroKV's (page_size, sinks, recent, tau), from the one place they live (controller/config.py)."""
     from ..controller.config import EvictionConfig
     cfg = EvictionConfig(policy="page-entrokv")
-    return (cfg.page_size if page_size is None else page_size, cfg.sinks if sinks is None else sinks,
-            cfg.rho if recent is None else recent, cfg.tau if tau is None else tau)
+    return cfg.page_size, cfg.sinks, cfg.rho, cfg.tau
+
+
+def _defaults(page_size, sinks, recent, tau) -> tuple:
+    """The settings given, the method's defaults for those that are not."""
+    return tuple(d if v is None else v for v, d in zip((page_size, sinks, recent, tau), _method_defaults()))
 
 
 def select_pages_native(scores: np.ndarray, n_head_kv: int, *, budget: int, page_size: int | None = None,
