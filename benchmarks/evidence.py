@@ -72,6 +72,17 @@ def _rows_of(data):
     return data["rows"] if isinstance(data, dict) else data
 
 
+def _peers_cases(data) -> dict:
+    """{model: cases} of a peers part (files before the per-model runs hold SmolLM2's count alone)."""
+    c = data.get("cases")
+    return dict(c) if isinstance(c, dict) else ({"smollm2-135m": c} if c else {})
+
+
+def _peers_not_run(data) -> dict:
+    """{model: why the peers did not run on it} of a peers part (older files: the key "gemma3")."""
+    return {**({"gemma3-270m": data["gemma3"]} if data.get("gemma3") else {}), **data.get("not_run", {})}
+
+
 def merge_part(path: Path, part: str, data, doc_meta: dict, models) -> dict:
     """The part's document with this run's rows for ``models`` replacing the file's rows of
     those models and the other models' rows kept (a model added later runs alone: --models).
@@ -97,6 +108,10 @@ def merge_part(path: Path, part: str, data, doc_meta: dict, models) -> dict:
             merged["summary"] = niah.summary(rows)
         elif part == "fidelity":
             merged["summary"] = fidelity.summary(rows)
+        elif part == "peers":       # per-model counts and notes: the other models' are kept
+            merged.pop("gemma3", None)
+            for k, mine in (("cases", _peers_cases), ("not_run", _peers_not_run)):
+                merged[k] = {**{m: v for m, v in mine(old["data"]).items() if m not in redo}, **mine(data)}
     else:
         merged = rows
     models_meta = {**old["meta"].get("models", {}), **doc_meta["models"]}
@@ -127,38 +142,51 @@ def peer_cases(lengths, depths, budgets, llm, quick=False) -> list[dict]:
     return cases
 
 
-def run_peers(quick: bool, threads: int, log=print) -> dict:
+PEERS_NOT_RUN = {"gemma3-270m": "not run: OpenVINO GenAI cannot read Gemma 3's Q5_0 tensors ([load_gguf] "
+                                 "gguf_tensor_to_f16 failed); kvpress runs are kept to the models both peers load or "
+                                 "whose load error is on record"}
+
+
+def run_peers(models, quick: bool, threads: int, log=print) -> dict:
+    """The peers (benchmarks/peers.py, in .venv-peers) on each model's needle prompts. A peer that
+    cannot load a model answers every case of it with ``skipped`` and the load error."""
     if not PEERS_VENV.exists():
         return {"skipped": "no peers environment (.venv-peers): run bash benchmarks/peers_env.sh", "rows": []}
     grid = niah.QUICK if quick else niah.FULL
     lengths = grid["lengths"][:1] if quick else [n for n in grid["lengths"] if n <= 4096]
     depths = grid["depths"][:1] if quick else [25, 75]
     budgets = [0.2]
-    llm = H.load("smollm2-135m", max(lengths) + 256)
-    cases = peer_cases(lengths, depths, budgets, llm, quick)
-    llm.close()
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        inp, res = Path(tmp) / "cases.jsonl", Path(tmp) / "rows.jsonl"
-        inp.write_text("".join(json.dumps(c) + "\n" for c in cases))
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        r = subprocess.run([str(PEERS_VENV), str(HERE / "peers.py"), "--gguf", str(ek.models.model_path("smollm2-135m")),
-                            "--in", str(inp), "--out", str(res), "--threads", str(threads)],
-                           capture_output=True, text=True, env=env)
-        if r.returncode != 0 and not res.exists():
-            return {"skipped": f"peers.py failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}",
-                    "rows": []}
-        by_id = {c["id"]: c for c in cases}
-        for line in res.read_text().splitlines():
-            row = json.loads(line)
-            c = by_id.get(row["id"], {})
-            row.update(length=c.get("length"), depth=c.get("depth"),
-                       correct=None if row.get("skipped") else niah.correct(row.get("answer") or ""))
-            rows.append(row)
-    log(f"peers: {len(rows)} rows")
-    return {"skipped": None, "rows": rows, "cases": len(cases),
-            "gemma3": "not run: OpenVINO GenAI cannot read Gemma 3's Q5_0 tensors ([load_gguf] gguf_tensor_to_f16 "
-                      "failed); kvpress runs are kept to the model both peers load"}
+    rows, cases_per_model, not_run = [], {}, {}
+    for model in models:
+        if model in PEERS_NOT_RUN:
+            not_run[model] = PEERS_NOT_RUN[model]
+            continue
+        llm = H.load(model, max(lengths) + 256)
+        cases = peer_cases(lengths, depths, budgets, llm, quick)
+        llm.close()
+        cases_per_model[model] = len(cases)
+        with tempfile.TemporaryDirectory() as tmp:
+            inp, res = Path(tmp) / "cases.jsonl", Path(tmp) / "rows.jsonl"
+            inp.write_text("".join(json.dumps(c) + "\n" for c in cases))
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+            r = subprocess.run([str(PEERS_VENV), str(HERE / "peers.py"), "--gguf", str(ek.models.model_path(model)),
+                                "--in", str(inp), "--out", str(res), "--threads", str(threads)],
+                               capture_output=True, text=True, env=env)
+            if r.returncode != 0 and not res.exists():
+                err = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode
+                not_run[model] = f"peers.py failed: {err}"
+                continue
+            by_id = {c["id"]: c for c in cases}
+            for line in res.read_text().splitlines():
+                row = json.loads(line)
+                c = by_id.get(row["id"], {})
+                row.update(model=model, length=c.get("length"), depth=c.get("depth"),
+                           correct=None if row.get("skipped") else niah.correct(row.get("answer") or ""))
+                rows.append(row)
+        log(f"peers {model}: {sum(r['model'] == model for r in rows)} rows")
+    if not rows and not_run:
+        return {"skipped": "; ".join(f"{m}: {v}" for m, v in not_run.items()), "rows": []}
+    return {"skipped": None, "rows": rows, "cases": cases_per_model, "not_run": not_run}
 
 
 def main(argv=None) -> int:
@@ -210,7 +238,7 @@ def main(argv=None) -> int:
                                          log=log)]
         else:
             s = {"threads": args.threads}
-            data = run_peers(args.quick, args.threads, log=log)
+            data = run_peers(args.models, args.quick, args.threads, log=log)
         s = {**s, "threads": args.threads}
         doc = merge_part(out / f"{part}.json", part, data, meta(mode, s, time.perf_counter() - t0, commit),
                          [m for m in args.models if part != "speed" or m in SPEED_MODELS])

@@ -419,16 +419,10 @@ def _speed_model(rows, model, policies) -> str:
     return "".join(s)
 
 
-def peers_section(d, niah_d) -> str:
-    s = ["## 6. Peers on the same model and prompts\n"]
-    data = d["data"]
-    if data.get("skipped"):
-        s.append(f"Skipped: {data['skipped']}.\n")
-        return "".join(s)
-    rows = data["rows"]
-    s.append("OpenVINO GenAI (cache eviction) and NVIDIA kvpress (SnapKV, StreamingLLM, ExpectedAttention) on "
-             "SmolLM2's GGUF, the needle prompts of section 3 (same haystack text and question), greedy, the same "
-             "thread count. Ours: the section 3 runs of the same cases.\n\n")
+def _peers_model_table(rows, niah_rows, model) -> list[str]:
+    """One model's peer table (accuracy, kept and peak cache tokens), our runs of the same cases
+    beside them, and Page-EntroKV paired against each peer; plus what a peer could not do."""
+    s = []
     agg = defaultdict(lambda: [0, 0, [], []])
     notes = {}
     for r in rows:
@@ -444,26 +438,28 @@ def peers_section(d, niah_d) -> str:
             a[3].append(r["peak_cache_tokens"])
     cases = {(r["length"], r["depth"], r["placement"], r["budget"]) for r in rows}
     ours = defaultdict(lambda: [0, 0, []])
-    if niah_d:
-        for r in niah_d["data"]["rows"]:
-            b = r["budget"] if r["budget"] else 1.0
-            if r["model"] == "smollm2-135m" and (r["target_length"], r["depth"], r["placement"], b) in cases \
-                    and r["policy"] in ("full", OURS, "streaming"):
-                a = ours[(f"ours: {r['policy']}", r["placement"], b)]
-                a[0] += 1
-                a[1] += r["correct"]
-                a[2].append(r["kept_tokens"])
+    mine = {}
+    for r in niah_rows:
+        if r["model"] != model:
+            continue
+        b = r["budget"] if r["budget"] else 1.0
+        key = (r["target_length"], r["depth"], r["placement"], b)
+        if key in cases and r["policy"] in ("full", OURS, "streaming"):
+            a = ours[(f"ours: {r['policy']}", r["placement"], b)]
+            a[0] += 1
+            a[1] += r["correct"]
+            a[2].append(r["kept_tokens"])
+        if r["policy"] == OURS:
+            mine[(r["target_length"], r["depth"], r["placement"], r["budget"])] = r["correct"]
     table = []
     for (sysname, pl, b), a in sorted(agg.items()) + sorted(ours.items()):
         table.append([sysname, pl, f"{int(b * 100)}%", a[0], a[1] / a[0] if a[0] else None,
                       sum(a[2]) / len(a[2]) if a[2] else None, (sum(a[3]) / len(a[3])) if len(a) > 3 and a[3] else None])
-    s.append(_table(["system", "placement", "budget", "cases", "accuracy", "kept tokens (mean)",
-                     "peak cache tokens (mean)"], table))
-    if niah_d:
-        mine = {(r["target_length"], r["depth"], r["placement"], r["budget"]): r["correct"]
-                for r in niah_d["data"]["rows"] if r["model"] == "smollm2-135m" and r["policy"] == OURS}
-        s.append("\n**Paired: Page-EntroKV against each peer, same case (length, depth, placement, budget), "
-                 "answer right vs wrong.**\n\n")
+    if table:
+        s.append(_table(["system", "placement", "budget", "cases", "accuracy", "kept tokens (mean)",
+                         "peak cache tokens (mean)"], table))
+    if mine:
+        paired = []
         for sysname in sorted({r["system"] for r in rows if not r["system"].endswith("-full")}):
             w = lo = t = 0
             for r in rows:
@@ -475,11 +471,38 @@ def peers_section(d, niah_d) -> str:
                 c = int(mine_ok) - int(bool(r["correct"]))
                 w, lo, t = w + (c > 0), lo + (c < 0), t + (c == 0)
             if w + lo + t:
-                s.append(f"- vs {sysname}: {_verdict(w, lo, t, 'needle answers')}\n")
+                paired.append(f"- vs {sysname}: {_verdict(w, lo, t, 'needle answers')}\n")
+        if paired:
+            s.append("\n**Paired: Page-EntroKV against each peer, same case (length, depth, placement, budget), "
+                     "answer right vs wrong.**\n\n" + "".join(paired))
+    elif not notes or len(notes) < len({(r["system"], r["placement"]) for r in rows}):
+        s.append("\n(No needle run of ours on these cases in results/niah.json: no pairing.)\n")
     if notes:
-        s.append("\nWhat a peer cannot do here:\n" + "".join(f"- {k[0]}, {k[1]}: {v}\n" for k, v in sorted(notes.items())))
-    if data.get("gemma3"):
-        s.append(f"- Gemma 3 270M: {data['gemma3']}.\n")
+        s.append("\nWhat a peer cannot do here:\n" + "".join(f"- {k[0]}, {k[1]}: {v}\n"
+                                                           for k, v in sorted(notes.items())))
+    return s
+
+
+def peers_section(d, niah_d) -> str:
+    s = ["## 6. Peers on the same model and prompts\n"]
+    data = d["data"]
+    if data.get("skipped"):
+        s.append(f"Skipped: {data['skipped']}.\n")
+        return "".join(s)
+    rows = data["rows"]
+    by_model = defaultdict(list)
+    for r in rows:
+        by_model[r.get("model", "smollm2-135m")].append(r)
+    not_run = {**({"gemma3-270m": data["gemma3"]} if data.get("gemma3") else {}), **data.get("not_run", {})}
+    s.append("OpenVINO GenAI (cache eviction) and NVIDIA kvpress (SnapKV, StreamingLLM, ExpectedAttention) on "
+             "each model's GGUF, the needle prompts of section 3 (same haystack text and question), greedy, the same "
+             "thread count. Ours: the section 3 runs of the same cases.\n")
+    niah_rows = niah_d["data"]["rows"] if niah_d else []
+    for model in sorted(by_model, key=lambda m: (m != "smollm2-135m", m)):
+        s.append(f"\n### {model}\n\n")
+        s.extend(_peers_model_table(by_model[model], niah_rows, model))
+    if not_run:
+        s.append("\nModels the peers did not run on:\n" + "".join(f"- {m}: {v}.\n" for m, v in sorted(not_run.items())))
     s.append("\nMemory: every system here, ours included in this harness, holds the whole prompt while it prefills "
              "(OpenVINO evicts after the prompt; kvpress prunes layer by layer after each layer's prefill). "
              "EntroKVLlama can also prefill in pieces through a cache smaller than the prompt (section 5), which no "

@@ -238,3 +238,41 @@ def test_report_sections_8_and_9_render_their_rows():
     s = report.robustness_section(soak, fuzz)
     assert f"state equal in {soak['blob_equal']} of {soak['checked']}" in s
     assert "| compact | 5 | 2 | 3 | ok 2, LIST_LENGTH 3 |" in s
+
+
+def test_peers_of_a_model_run_alone_join_the_other_models_and_the_report_pairs_each(tmp_path):
+    """The peers part per model: a run on one model replaces that model's rows, counts and notes
+    and keeps the others' (a file from before the per-model runs, with SmolLM2's count alone and
+    Gemma 3's note under "gemma3", included); the report gives each model its own table, paired
+    with that model's needle rows, and a peer's load error. Synthetic rows, so a dropped or
+    mixed-up model shows."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import evidence
+    import report
+
+    def row(system, model, correct, skipped=None):
+        r = {"id": "1024-25-0.2-inside", "system": system, "placement": "inside", "budget": 0.2, "length": 1024,
+             "depth": 25, "correct": None if skipped else correct, "skipped": skipped, "kept_tokens": 200,
+             "peak_cache_tokens": 1024}
+        return r if model is None else {**r, "model": model}
+
+    path = tmp_path / "peers.json"
+    old_meta = {"mode": "full", "commit": "a", "date": "d", "seconds": 1.0, "models": {}}
+    path.write_text(json.dumps({"meta": old_meta, "data": {
+        "skipped": None, "cases": 24, "gemma3": "not run: Q5_0", "rows": [row("kvpress-snapkv", None, True)]}}))
+    new = {"skipped": None, "cases": {"qwen2.5-coder-0.5b": 1}, "not_run": {},
+           "rows": [row("kvpress-snapkv", "qwen2.5-coder-0.5b", False),
+                    row("openvino", "qwen2.5-coder-0.5b", None, skipped="load failed: RuntimeError: Q5_0")]}
+    doc = evidence.merge_part(path, "peers", new, {**old_meta, "commit": "b"}, ["qwen2.5-coder-0.5b"])
+    data = doc["data"]
+    assert data["cases"] == {"smollm2-135m": 24, "qwen2.5-coder-0.5b": 1}
+    assert data["not_run"] == {"gemma3-270m": "not run: Q5_0"} and "gemma3" not in data
+    assert [r.get("model", "smollm2-135m") for r in data["rows"]] == ["smollm2-135m"] + ["qwen2.5-coder-0.5b"] * 2
+    niah_rows = [{"model": m, "target_length": 1024, "depth": 25, "placement": "inside", "budget": 0.2,
+                  "policy": "page-entrokv", "correct": ok, "kept_tokens": 200}
+                 for m, ok in (("smollm2-135m", False), ("qwen2.5-coder-0.5b", True))]
+    text = report.peers_section(doc, {"data": {"rows": niah_rows}})
+    smol, qwen = text.split("### smollm2-135m")[1].split("### qwen2.5-coder-0.5b")
+    assert "vs kvpress-snapkv: ties (no significant difference): 0 wins, 1 losses, 0 ties" in smol
+    assert "vs kvpress-snapkv: ties (no significant difference): 1 wins, 0 losses, 0 ties" in qwen and "openvino, inside: load failed: RuntimeError: Q5_0" in qwen
+    assert "- gemma3-270m: not run: Q5_0." in text
