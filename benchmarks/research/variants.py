@@ -180,6 +180,16 @@ and lookahead_share=0.85 are in EDGE_DEFAULTS now, and "entrokv-edge" was rerun 
 The other candidates, run beside it for the record: 25-5, 29-1, 29-1; head-independent 0.0138
 with 2.06x the tokens.)
 
+Qwen2.5 (2026-12-02, issue 21). No round was tuned on Qwen2.5-Coder-0.5B (r = 7): every prompt of it
+is held-out data for today's defaults. The rule, fixed before it was run: heldout7's prompts (the
+newest split) are built with Qwen2.5's tokenizer and run once, with the full cache, the method's
+policies and entrokv-edge (EDGE_DEFAULTS); entrokv-edge stays the default on Qwen2.5 only if it keeps
+at least as many of the full cache's right answers as page-entrokv and has more paired KL wins than
+losses against it. If it fails, nothing is tuned on these prompts: changes follow the rule above
+(tuned on the public splits, passed on a new held-out split).
+    variants.py --models qwen2.5-coder-0.5b --split heldout7 --threads 1 --configs page-entrokv \
+        mean-pool max-pool head-independent no-isolation streaming entrokv-edge
+
 Oracle (not a round; run with the defaults' rerun). "oracle:..." configurations score the keys
 with the attention of the full cache's whole answer instead of the window's: the answer's
 tokens are evaluated after the prompt as one observed ubatch, and their mean attention on the
