@@ -261,7 +261,8 @@ def _load(args, n_prompt: int | None):
         if cfg.policy != "full" and tokens > cells - reserve:
             raise CLIError(f"budget of {tokens} tokens is above what a {cells}-cell cache can keep "
                            f"({cells - reserve}, leaving room for new tokens); lower --budget or raise --kv-cells")
-    kwargs = dict(n_ctx=cells, n_batch=512, verbose=args.verbose, n_gpu_layers=args.n_gpu_layers)
+    batch = _batch_size(args, cells, cfg)
+    kwargs = dict(n_ctx=cells, n_batch=batch, n_ubatch=batch, verbose=args.verbose, n_gpu_layers=args.n_gpu_layers)
     if args.rpc:
         from .runtime.rpc import RPCUnavailableError, add_servers
         try:
@@ -291,6 +292,27 @@ def _vocab(args):
         except ValueError:
             raise CLIError(f"{path}: llama.cpp could not load this model (corrupt or unsupported architecture)")
     return args._vocab
+
+
+def _batch_size(args, cells: int, cfg) -> int:
+    """n_batch and n_ubatch for a cache of ``cells``: 512, or less on a model with sliding-window
+    layers (GGUF key <arch>.attention.sliding_window), whose cache keeps the last n_swa tokens plus
+    a ubatch in as many cells as the base cache: the largest multiple of 32 that fits beside n_swa.
+    A ubatch must hold the observed window: a cache too small for that is refused here."""
+    meta = _vocab(args).metadata
+    try:
+        n_swa = int(meta.get(f"{meta.get('general.architecture', '')}.attention.sliding_window", 0) or 0)
+    except ValueError:
+        n_swa = 0
+    room = (cells - n_swa) // 32 * 32
+    if not n_swa or room >= 512:
+        return 512
+    if room < cfg.window:
+        need = n_swa + -(-cfg.window // 32) * 32
+        raise CLIError(f"--kv-cells {cells} cannot run this model's sliding-window layers: they keep the last {n_swa} "
+                       f"tokens plus a batch of at least the observed window ({cfg.window}); use --kv-cells {need} "
+                       f"or more")
+    return room
 
 
 def _context_length(args) -> int:

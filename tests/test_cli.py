@@ -208,6 +208,20 @@ def test_kv_cells_without_a_budget_keeps_what_the_cache_can_hold(smollm2, doc):
     assert d["guided_evictions"] == d["evictions"] - 1 and d["guide_s"] > 0     # all but the one after the prompt
 
 
+def test_gemma3_through_a_cache_smaller_than_its_window_plus_a_ubatch(gemma3, doc):
+    """Gemma 3's sliding-window layers keep their last 512 tokens plus a ubatch: the command picks
+    a ubatch that fits beside them (768 cells: 256), so --kv-cells 768 reads a longer document in
+    pieces; where not even the observed window fits beside them, one clear line names the size."""
+    rc, out, err = cli("run", "-m", gemma3, "-f", doc, "-p", "Which line is first?", "--kv-cells", 768, "--json",
+                       "--max-tokens", 4)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["kv_cells"] == 768 and d["logical_tokens"] > 768 and d["evictions"] >= 2
+    rc, out, err = cli("run", "-m", gemma3, "-f", doc, "-p", "Which line is first?", "--kv-cells", 540,
+                       "--max-tokens", 4)
+    assert rc == 2 and "Traceback" not in err and "use --kv-cells 544 or more" in err
+
+
 def test_help_fits_a_screen_and_names_the_common_flags():
     rc, out, _ = cli("run", "--help")
     assert rc == 0 and len(out.splitlines()) <= 45
