@@ -127,7 +127,8 @@ def test_an_unfinished_generation_refuses_other_threads_until_it_ends(synth_mode
         for name, call in (("generate", lambda: next(llm.generate(toks, top_k=1, temp=0.0))),
                            ("completion", lambda: llm.create_completion(toks, max_tokens=2)),
                            ("eval", lambda: llm.eval([5])), ("reset", llm.reset), ("evict", llm.evict),
-                           ("save_state", llm.save_state), ("load_state", lambda: llm.load_state(llm_state))):
+                           ("save_state", llm.save_state), ("load_state", lambda: llm.load_state(llm_state)),
+                           ("close", llm.close)):
             try:
                 call()
                 out[name] = "ran"

@@ -134,8 +134,15 @@ class EntroKVLlama(llama_cpp.Llama):
         self.guide_s = 0.0             # wall time spent evaluating the guide (and its draft) for them
 
     def close(self) -> None:
-        # a constructor that refused its arguments never reached Llama.__init__
-        if hasattr(self, "_stack"):
+        """Free the model and the cache: after any call in flight in another thread; refused
+        (RuntimeError) while another thread's generation is unfinished, which would go on in
+        freed memory."""
+        if not hasattr(self, "_stack"):     # a constructor that refused its arguments never reached Llama.__init__
+            return
+        if not hasattr(self, "_lock"):      # refused by our constructor after Llama.__init__
+            super().close()
+            return
+        with self._claim():
             super().close()
 
     # --- the cache ------------------------------------------------------------------
