@@ -23,7 +23,7 @@ _ggml = _ffi.dlopen(str(lib_dir() / "libggml-base.so"))
 class CapturingContext:
     """A llama context whose eval callback keeps the last Qcur-N / Kcur-N of every layer."""
 
-    def __init__(self, path, *, n_ctx=512, flash_attn=False, type_k=1):
+    def __init__(self, path, *, n_ctx=512, flash_attn=False, type_k=1, threads=2):
         self.captured: dict[str, np.ndarray] = {}
 
         def cb(t, ask, _ud):
@@ -46,7 +46,7 @@ class CapturingContext:
         self.model = C.llama_model_load_from_file(str(path).encode(), mp)
         cp = C.llama_context_default_params()
         cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
-        cp.n_threads = cp.n_threads_batch = 2
+        cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type = 1 if flash_attn else 0
         cp.type_k = cp.type_v = type_k
         cp.cb_eval = self._cb

@@ -1,0 +1,307 @@
+"""Issue 23, stage 1: what a recall tier for evicted pages could reach, simulated before any
+native work.
+
+    python benchmarks/research/recall_bound.py [--quick] [--models ...] [--ks 1 4 16] [--ns 1 4 16]
+        [--store-page 16] [--out benchmarks/results/recall_bound.json]
+
+The question after the eviction (the fidelity judge's "after" placement, and needle prompts
+with the question after the document): the document is prefilled and evicted to 20% with
+entrokv-edge's defaults, as today. Then the question and the full cache's greedy answer are
+teacher-forced, as in benchmarks/fidelity.py, and KL(full || evicted) is taken per step.
+
+Recall, simulated on top of that eviction. The evicted tokens of each (layer, KV head) form
+the store, in pages of ``store_page`` tokens by true position. Before the first answer step
+(the new turn, its observed window: the question's last ``window`` tokens) and then every k
+answer steps (the queries of the k tokens decoded since), each (layer, KV head) ranks the
+store's pages and recalls up to N of them; each recalled page replaces as many resident
+tokens, those that now score lowest (never the sinks nor the document's recent tokens), and
+only where the page scores higher than what it replaces. Every buffer keeps exactly its
+budget (UOR = 1). Two scores, from the queries just named:
+  exact   their attention over every key, evicted or not (the bound: what no store can know
+          without reading its pages); a page scores the attention mass on its evicted
+          tokens, a resident token its own, each the max over the group's query heads of the
+          sum over the queries
+  digest  Quest's page digest: per page and channel the min and max of its evicted keys; a
+          page's bound for a query head is exp(sum_c max(q_c min_c, q_c max_c) * scale - lse),
+          lse the log-sum-exp of that query over the resident keys (what the attention over the
+          cache gives), times the page's evicted tokens, capped at 1; a resident token scores
+          its attention over the resident keys
+The queries and keys are the model's own (llama.cpp's eval callback, Qcur/Kcur after RoPE,
+tests/reference.py), captured once per prompt on the full cache: the digest sees the queries
+the full cache would compute, slightly better than the ones an evicted cache computes.
+Each segment (the answer steps between two recalls) is evaluated on the snapshot compacted
+to that segment's resident set, the question and the answer so far fed again: the tokens
+decoded earlier see the pages recalled since (an online store would keep their keys as first
+computed), a small advantage for recall.
+
+Baselines on the same prompts: no recall (today's final eviction) and head-independent
+eviction (each head's own top 20%, the union kept: about 2x the tokens). Rows per (prompt,
+configuration): KL mean and agreement over the answer, and "kept": every step's argmax is the
+full cache's token (then greedy decoding reproduces the full cache's answer; for needle
+prompts the answer right where the full cache's is). Prints per model the mean KL of every
+configuration and its paired wins-losses (two-sided sign test) against both baselines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))        # the benchmarks' shared modules
+sys.path.insert(0, str(ROOT / "tests"))     # the captured-Q/K reference (tests/reference.py)
+
+import entrokv_edge as ek  # noqa: E402
+
+import _harness as H  # noqa: E402
+import fidelity as F  # noqa: E402
+import niah  # noqa: E402
+from report import sign_test  # noqa: E402
+
+FULL = dict(length=2048, n_qa=6, n_code=6, depths=[10, 50, 90], tokens=64, budget=0.2, ks=[1, 4, 16], ns=[1, 4, 16],
+            store_page=16)
+QUICK = dict(length=512, n_qa=1, n_code=0, depths=[50], tokens=8, budget=0.2, ks=[4], ns=[2], store_page=16)
+SCORERS = ("exact", "digest")
+
+
+def capture(model: str, tokens: list[int]) -> tuple[dict, dict]:
+    """{il: Q [T, H, d]}, {il: K [T, G, d]} (float32, after RoPE) of ``tokens`` on a full cache,
+    one ubatch."""
+    from reference import CapturingContext
+    n_ctx = -(-(len(tokens) + 1) // 256) * 256
+    cc = CapturingContext(ek.models.model_path(model), n_ctx=n_ctx, threads=H.threads())
+    try:
+        cc.decode(tokens)
+        grab = lambda what: {int(name[5:]): v.copy() for name, v in cc.captured.items()  # noqa: E731
+                             if name.startswith(what) and name[5:].isdigit()}
+        q, k = grab("Qcur-"), grab("Kcur-")
+    finally:
+        cc.close()
+    return q, k
+
+
+def _lse(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    return (m + np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))).squeeze(axis)
+
+
+class Store:
+    """The resident set of every (layer, KV head) slot and the recall over the others.
+
+    ``resident`` [n_slots, budget]: sorted true positions (< n, the document) each slot holds."""
+
+    def __init__(self, resident: np.ndarray, q: dict, k: dict, slot_layer: np.ndarray, slot_head: np.ndarray,
+                 n: int, r: int, scale: float, page: int, protected: np.ndarray):
+        self.resident, self.q, self.k = resident.copy(), q, k
+        self.slot_layer, self.slot_head = slot_layer, slot_head
+        self.n, self.r, self.scale, self.page = n, r, scale, page
+        self.protected = protected                       # bool [n]: never displaced (sinks, recent)
+        self.recalled = 0                                # tokens brought back, all slots together
+
+    def recall(self, queries: np.ndarray, n_pages: int, scorer: str) -> None:
+        """One recall for the queries at absolute indices ``queries`` (all > n - 1)."""
+        for s in range(len(self.resident)):
+            self.resident[s] = self._recall_slot(s, queries, n_pages, scorer)
+
+    def _recall_slot(self, s: int, queries: np.ndarray, n_pages: int, scorer: str) -> np.ndarray:
+        il, g, n, r = int(self.slot_layer[s]), int(self.slot_head[s]), self.n, self.r
+        q = self.q[il][queries][:, g * r:(g + 1) * r].astype(np.float64)          # [I, r, d]
+        kk = self.k[il][:, g].astype(np.float64)                                   # [T, d]
+        top = int(queries.max()) + 1
+        logits = np.einsum("ird,td->irt", q, kk[:top]) * self.scale                # [I, r, top]
+        causal = np.arange(top)[None, :] <= queries[:, None]                       # [I, top]
+        logits = np.where(causal[:, None, :], logits, -np.inf)
+        res = np.zeros(n, dtype=bool)
+        res[self.resident[s]] = True
+        held = np.concatenate([res, np.ones(top - n, dtype=bool)])                 # the cache: resident + new
+        lse_res = _lse(np.where(held[None, None, :], logits, -np.inf))             # [I, r]
+        if scorer == "exact":
+            p = np.exp(logits[:, :, :n] - _lse(logits)[:, :, None])                # over every key
+        else:
+            p = np.where(res[None, None, :], np.exp(logits[:, :, :n] - lse_res[:, :, None]), 0.0)
+        tok = p.sum(0)                                                             # [r, n]: per head
+        missing = np.flatnonzero(~res)
+        if missing.size == 0:
+            return self.resident[s]
+        pages = missing // self.page
+        starts = np.flatnonzero(np.r_[True, pages[1:] != pages[:-1]])
+        counts = np.diff(np.r_[starts, missing.size])
+        if scorer == "exact":
+            page_score = np.add.reduceat(tok[:, missing], starts, axis=1).max(0)   # [n_pages]
+        else:
+            km = kk[missing]
+            lo, hi = np.minimum.reduceat(km, starts, axis=0), np.maximum.reduceat(km, starts, axis=0)   # [P, d]
+            bound = (np.maximum(q[:, :, None, :] * lo[None, None], q[:, :, None, :] * hi[None, None]).sum(-1)
+                     * self.scale)                                                 # [I, r, P]
+            page_score = np.minimum(1.0, counts[None, None, :] * np.exp(bound - lse_res[:, :, None])).sum(0).max(0)
+        res_score = tok.max(0)                                                     # [n] (0 where not resident)
+        free = res & ~self.protected
+        keep = res.copy()
+        for j in np.argsort(-page_score)[:n_pages]:
+            toks = missing[starts[j]: starts[j] + counts[j]]
+            cand = np.flatnonzero(free)
+            if cand.size < toks.size:
+                break
+            out = cand[np.argsort(res_score[cand], kind="stable")[: toks.size]]
+            if page_score[j] <= res_score[out].sum():
+                break
+            keep[out], keep[toks] = False, True
+            free[out] = False                                                      # recalled: not displaced again
+            self.recalled += toks.size
+        return np.flatnonzero(keep)
+
+
+def _segment_logps(llm, snap: H.Snapshot, resident: np.ndarray, fed: list[int], s: int, t0: int, t1: int):
+    """Log-probs of answer steps t0..t1-1 on ``snap`` compacted to ``resident``: the question and
+    the answer up to step t0 fed in one call, then one token a step."""
+    H.restore(llm, snap)
+    ek.compact(llm, resident)            # a restored snapshot: cells are positions
+    if not np.array_equal(ek.true_positions(llm)[:, : resident.shape[1]], resident):
+        raise RuntimeError("the compacted cache does not hold the resident set")
+    llm.eval(fed[: s + t0])
+    out = [F._logp(H.logits(llm))]
+    for t in range(t0 + 1, t1):
+        llm.eval([fed[s - 1 + t]])
+        out.append(F._logp(H.logits(llm)))
+    return out
+
+
+def prompts(llm, g: dict) -> list[H.Prompt]:
+    ps = F.qa_prompts(llm, g["n_qa"], g["length"]) + F.code_prompts(llm, g["n_code"], g["length"])
+    for d in g["depths"]:
+        p = niah.needle_prompt(llm, g["length"], d)
+        p.meta.update(kind="needle", source=f"needle-{d}")
+        ps.append(p)
+    return ps
+
+
+def run(models, g: dict, log=print) -> list[dict]:
+    rows = []
+    for model in models:
+        llm = H.load(model, g["length"] + g["tokens"] + 256)
+        stop = H.stop_tokens(llm)
+        geo = ek.geometry(llm)
+        slot_layer, slot_head = geo.slot_layers(), geo.slot_heads()
+        n_head = int(ek.llama_cpp.llama_model_n_head(llm.model))
+        r = n_head // geo.layers[0].n_head_kv
+        scale = 1.0 / math.sqrt(geo.layers[0].head_dim_k)
+        edge = ek.EvictionConfig(budget=g["budget"])
+        for p in prompts(llm, g):
+            t_p = time.perf_counter()
+            snap = H.prefill(llm, p)["after"]
+            n, s = len(p.prefix), len(p.suffix)
+
+            def first():
+                llm.eval(p.suffix)
+                return H.logits(llm)
+            H.restore(llm, snap)
+            rf = first()
+            ref = H.greedy(llm, rf, g["tokens"], stop) or [int(np.argmax(rf))]
+            H.restore(llm, snap)
+            full_lp = F._follow(llm, first(), ref)
+            full_text = llm.detokenize(ref).decode("utf-8", errors="replace")
+            full_right = niah.correct(full_text) if p.meta["kind"] == "needle" else None
+            fed = p.suffix + ref[:-1]
+            q, k = capture(model, p.prefix + fed)
+            base = {"model": model, "kind": p.meta["kind"], "source": p.meta["source"], "tokens": len(ref),
+                    "prompt_tokens": n, "full_right": full_right}
+
+            def row(config, lp, kept, **extra):
+                kl = F._kl(full_lp, lp)
+                agree = [int(np.argmax(e)) == t for e, t in zip(lp, ref)]
+                rows.append({**base, "config": config, "kl_mean": float(np.mean(kl)),
+                             "agreement": float(np.mean(agree)), "kept": bool(all(agree)), "kept_tokens": kept,
+                             **extra})
+            m = H.evict_from(llm, snap, ek.EvictionConfig(budget=g["budget"], policy="head-independent"))
+            row("head-independent", F._follow(llm, first(), ref), int(m["kept_tokens"]))
+            m = H.evict_from(llm, snap, edge)
+            resident0 = np.sort(ek.true_positions(llm)[:, : ek.geometry(llm).n_used], axis=1)
+            T = len(ref)
+            row("no recall", _segment_logps(llm, snap, resident0, fed, s, 0, T), int(m["kept_tokens"]))
+            protected = np.zeros(n, dtype=bool)
+            protected[: edge.sinks] = True
+            protected[n - edge.rho:] = True
+            for scorer in SCORERS:
+                for kk in g["ks"]:
+                    for n_pages in g["ns"]:
+                        st = Store(resident0, q, k, slot_layer, slot_head, n, r, scale, g["store_page"], protected)
+                        lp = []
+                        for t0 in range(0, T, kk):
+                            if t0 == 0:      # the new turn: its observed window
+                                queries = n + np.arange(max(0, s - edge.window), s)
+                            else:            # the queries of the k tokens decoded since the last recall
+                                queries = n + s - 1 + np.arange(t0 - kk, t0)
+                            st.recall(queries, n_pages, scorer)
+                            lp += _segment_logps(llm, snap, st.resident, fed, s, t0, min(T, t0 + kk))
+                        row(f"{scorer} k{kk} N{n_pages}", lp, int(m["kept_tokens"]), scorer=scorer, k=kk, N=n_pages,
+                            recalled_per_step=st.recalled / len(st.resident) / T)
+            log(f"recall {model} {p.meta['kind']} {p.meta['source']}: {time.perf_counter() - t_p:.0f} s")
+        llm.close()
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (model, config): mean KL, agreement, answers kept, and paired wins-losses (lower KL
+    per prompt) against head-independent eviction and against no recall."""
+    out = []
+    for model in sorted({r["model"] for r in rows}):
+        mr = [r for r in rows if r["model"] == model]
+        by = {(r["config"], r["source"]): r for r in mr}
+        for config in dict.fromkeys(r["config"] for r in mr):
+            cr = [r for r in mr if r["config"] == config]
+            item = {"model": model, "config": config, "prompts": len(cr), "kl_mean": float(np.mean([r["kl_mean"] for r in cr])),
+                    "agreement": float(np.mean([r["agreement"] for r in cr])), "kept": sum(r["kept"] for r in cr),
+                    "needles_right": sum(bool(r["kept"] and r["full_right"]) for r in cr if r["kind"] == "needle"),
+                    "needles_full": sum(bool(r["full_right"]) for r in cr if r["kind"] == "needle")}
+            for other in ("head-independent", "no recall"):
+                w = lo = 0
+                for r in cr:
+                    o = by.get((other, r["source"]))
+                    if o is not None and config != other:
+                        w, lo = w + (r["kl_mean"] < o["kl_mean"]), lo + (r["kl_mean"] > o["kl_mean"])
+                item[f"vs {other}"] = {"wins": w, "losses": lo, "p": sign_test(w, lo)}
+            out.append(item)
+    return out
+
+
+def main(argv=None) -> int:
+    import evidence
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    ap.add_argument("--ks", nargs="+", type=int)
+    ap.add_argument("--ns", nargs="+", type=int)
+    ap.add_argument("--store-page", type=int)
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "recall_bound.json"))
+    args = ap.parse_args(argv)
+    g = dict(QUICK if args.quick else FULL)
+    for key, v in (("ks", args.ks), ("ns", args.ns), ("store_page", args.store_page)):
+        if v is not None:
+            if min(v if isinstance(v, list) else [v]) < 1:
+                ap.error(f"--{key.replace('_', '-')} must be at least 1")
+            g[key] = v
+    commit, t0 = evidence.commit_id(), time.perf_counter()
+    rows = run(args.models, g)
+    summ = summary(rows)
+    for x in summ:
+        print(f"{x['model']:20} {x['config']:18} KL {x['kl_mean']:.4f} agree {x['agreement']:.3f} kept {x['kept']:2d} "
+              f"needles {x['needles_right']}/{x['needles_full']}  vs head-independent "
+              f"{x['vs head-independent']['wins']}-{x['vs head-independent']['losses']} "
+              f"(p {x['vs head-independent']['p']:.3g})  vs no recall {x['vs no recall']['wins']}-"
+              f"{x['vs no recall']['losses']}")
+    doc = {"meta": evidence.meta("quick" if args.quick else "full", g, time.perf_counter() - t0, commit),
+           "data": {"rows": rows, "summary": summ}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The recall simulation of benchmarks/research/recall_bound.py (issue 23's stage 1), on
+constructed queries and keys: what it recalls, what it displaces, and that every (layer, KV
+head) keeps exactly its budget."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks" / "research"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def make_store(scorer_page=4):
+    from recall_bound import Store
+    rng = np.random.default_rng(0)
+    n, T, d, G, r = 64, 72, 8, 2, 2                       # 64 document tokens, 8 more; 2 KV heads x 2 query heads
+    k = {0: rng.normal(0, 0.1, (T, G, d)).astype(np.float32)}
+    q = {0: rng.normal(0, 0.1, (T, G * r, d)).astype(np.float32)}
+    k[0][40:44, 1] = 0.0
+    k[0][40:44, 1, 0] = 8.0                               # KV head 1: page 10 (tokens 40-43) is what q looks for
+    q[0][64:, 2:4, 0] = 8.0                               # KV head 1's query heads point at channel 0
+    resident = np.array([np.r_[0:4, 8:28, 56:64], np.r_[0:4, 8:28, 56:64]])    # 32 of 64 each; 40-43 evicted
+    protected = np.zeros(n, dtype=bool)
+    protected[:4] = protected[56:] = True
+    return Store(resident, q, k, np.array([0, 0]), np.array([0, 1]), n, r, 1 / np.sqrt(d), scorer_page, protected)
+
+
+@pytest.mark.parametrize("scorer", ["exact", "digest"])
+def test_a_page_the_queries_look_for_comes_back_in_place_of_the_least_attended(scorer):
+    st = make_store()
+    before = st.resident.copy()
+    st.recall(np.arange(64, 68), n_pages=2, scorer=scorer)
+    assert st.resident.shape == before.shape                                  # exactly the budget, every slot
+    assert all(np.all(np.diff(row) > 0) for row in st.resident)               # sorted, no duplicates
+    assert set(range(40, 44)) <= set(st.resident[1])                          # the page the queries want
+    came = [set(a) - set(b) for a, b in zip(st.resident, before)]
+    gone = [set(b) - set(a) for a, b in zip(st.resident, before)]
+    assert [len(c) for c in came] == [len(g) for g in gone] and st.recalled == sum(map(len, came))
+    assert came[1] >= set(range(40, 44)) and all(not c & set(row) for c, row in zip(came, before))
+    assert not set().union(*gone) & (set(range(4)) | set(range(56, 64)))     # sinks and recent stay
+
+def test_nothing_is_recalled_when_no_page_beats_what_it_would_replace():
+    st = make_store()
+    st.q[0][64:, :, :] = 0.0                                                  # uniform attention: no page stands out
+    before = st.resident.copy()
+    st.recall(np.arange(64, 68), n_pages=4, scorer="exact")
+    assert np.array_equal(st.resident, before) and st.recalled == 0
