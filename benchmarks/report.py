@@ -566,11 +566,63 @@ def pooled_goal(rows, splits, peer_rows=()) -> str:
             + _table(["model, length", "prompts", "kept", EDGE] + others + peers, table) + "\n")
 
 
+HELD_OUT_MODELS = ("qwen2.5-coder-0.5b",)     # no round was tuned on them: judged apart (variants.py's docstring)
+
+
+def held_out_models(rows) -> str:
+    """Models no round was tuned on, each split run once: per (model, split) the configurations'
+    answers and mean KL per length, entrokv-edge paired against each, and the rule fixed before
+    the run: entrokv-edge stays the default there if it keeps at least as many of the full
+    cache's right answers as Page-EntroKV and has more paired KL wins than losses against it."""
+    key = lambda r: (r["length"], r["depth"])  # noqa: E731
+    s = []
+    for m, split in sorted({(r["model"], r["split"]) for r in rows}):
+        mr = [r for r in rows if (r["model"], r["split"]) == (m, split)]
+        lengths = sorted({r["length"] for r in mr})
+        configs = list(dict.fromkeys(["full"] + [r["config"] for r in mr]))
+        by = {(r["config"], key(r)): r for r in mr}
+        table = []
+        for c in configs:
+            line = [c]
+            for n in lengths + [None]:
+                x = [r for r in mr if r["config"] == c and (n is None or r["length"] == n)]
+                line.append(f"{sum(bool(r['correct']) for r in x)}/{len(x)} · {_mean_kl(x):.3f}" if x else "")
+            table.append(line)
+        s.append(f"**Held out: {m} on the {split} split** (no round was tuned on this model; the split run once on it; "
+                 "needle answers right / prompts · mean KL over the answer):\n\n")
+        s.append(_table(["config"] + [f"{n // 1024}k" for n in lengths] + ["all"], table))
+        full_right = {k for (c, k), r in by.items() if c == "full" and r["correct"]}
+        kept = lambda c: sum(bool(r["correct"]) for (cc, k), r in by.items() if cc == c and k in full_right)  # noqa: E731
+        if EDGE not in configs:
+            continue
+        s.append(f"\nPaired, {EDGE} against each configuration on the same prompts (lower KL wins):\n")
+        for c in [c for c in configs if c not in (EDGE, "full")]:
+            pairs = [(by[(EDGE, k)], r) for (cc, k), r in by.items() if cc == c and (EDGE, k) in by]
+            wk = sum(a["kl_mean"] < b["kl_mean"] - 1e-9 for a, b in pairs)
+            lk = sum(a["kl_mean"] > b["kl_mean"] + 1e-9 for a, b in pairs)
+            s.append(f"- vs {c}: {kept(EDGE)} vs {kept(c)} of the full cache's {len(full_right)} right answers kept; "
+                     f"KL {_verdict(wk, lk, len(pairs) - wk - lk, 'lower KL wins')}; mean KL "
+                     f"{_mean_kl([a for a, _ in pairs]):.4f} vs {_mean_kl([b for _, b in pairs]):.4f}\n")
+        if OURS in configs:
+            pairs = [(by[(EDGE, k)], r) for (cc, k), r in by.items() if cc == OURS and (EDGE, k) in by]
+            w = sum(a["kl_mean"] < b["kl_mean"] - 1e-9 for a, b in pairs)
+            lo = sum(a["kl_mean"] > b["kl_mean"] + 1e-9 for a, b in pairs)
+            passed = kept(EDGE) >= kept(OURS) and w > lo
+            s.append(f"\nThe rule fixed before the run ({EDGE} keeps at least as many of the full cache's right answers "
+                     f"as {OURS} and has more paired KL wins than losses against it): {kept(EDGE)} vs {kept(OURS)} kept, "
+                     f"{w}-{lo} (sign test p = {sign_test(w, lo):.3g}): "
+                     + (f"it **holds**: {EDGE} stays the default on {m}." if passed else
+                        f"it does **not** hold on {m}: the defaults are not changed on these prompts; a change follows "
+                        "the rounds' rule (tuned on the public splits, passed on a new held-out split).") + "\n\n")
+    return "".join(s)
+
+
 def variants_section(d, peers=None) -> str:
     """Section 7 from results/variants.json (benchmarks/research/variants.py) and, where present,
     results/variants_peers.json (benchmarks/research/variants_peers.py: the kvpress presses' answers and KL
     on the same prompts, measured in their own runtime against their own full cache)."""
-    rows = list(d["data"]["rows"])
+    held_rows = [r for r in d["data"]["rows"] if r["model"] in HELD_OUT_MODELS]
+    rows = [r for r in d["data"]["rows"] if r["model"] not in HELD_OUT_MODELS]
     st = d["meta"]["settings"]
     peer_rows = [dict(r) for r in (peers or {}).get("data", {}).get("rows", [])
                  if r.get("budget", 0.2) == st.get("budget", 0.2) and r.get("kl_mean") is not None]
@@ -655,6 +707,7 @@ def variants_section(d, peers=None) -> str:
                      + (", and the same tokens per buffer as Page-EntroKV at the same page size" if same else "")
                      + ".\n\n")
     s.append(pooled_goal(rows, splits, peer_rows))
+    s.append(held_out_models(held_rows))
     # the rules' outcomes, recomputed from the rows
     ok = lambda c, sps: sum(r["correct"] for r in rows if r["config"] == c and r["split"] in sps)  # noqa: E731
     kl = lambda c, sps: _mean_kl([r for r in rows if r["config"] == c and r["split"] in sps])  # noqa: E731

@@ -276,3 +276,32 @@ def test_peers_of_a_model_run_alone_join_the_other_models_and_the_report_pairs_e
     assert "vs kvpress-snapkv: ties (no significant difference): 0 wins, 1 losses, 0 ties" in smol
     assert "vs kvpress-snapkv: ties (no significant difference): 1 wins, 0 losses, 0 ties" in qwen and "openvino, inside: load failed: RuntimeError: Q5_0" in qwen
     assert "- gemma3-270m: not run: Q5_0." in text
+
+
+def test_a_held_out_model_is_judged_apart_by_the_rule_fixed_before_its_run():
+    """Section 7: a model no round was tuned on (Qwen2.5) gets its own table and the rule's
+    verdict from its rows alone (the full cache's right answers kept, paired KL against
+    Page-EntroKV), and its rows stay out of the tuning rounds' pairings. Synthetic rows: a
+    verdict from the wrong rows, or the wrong way round, shows."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+    m = "qwen2.5-coder-0.5b"
+
+    def rows(edge_kl, edge_right):
+        out = []
+        for depth in (10, 50, 90):
+            base = {"model": m, "split": "heldout7", "length": 2048, "depth": depth, "policy_uor": 1.0,
+                    "kept_tokens": 400}
+            out += [{**base, "config": "full", "correct": True, "kl_mean": 0.0},
+                    {**base, "config": "page-entrokv", "correct": True, "kl_mean": 0.05},
+                    {**base, "config": "entrokv-edge", "correct": edge_right, "kl_mean": edge_kl}]
+        return out
+    good = report.held_out_models(rows(0.01, True))
+    assert "Held out: qwen2.5-coder-0.5b on the heldout7 split" in good
+    assert "| entrokv-edge | 3/3 · 0.010 | 3/3 · 0.010 |" in good
+    assert "3 vs 3 kept, 3-0" in good and "it **holds**" in good
+    assert "does **not** hold" in report.held_out_models(rows(0.01, False))      # answers lost
+    assert "does **not** hold" in report.held_out_models(rows(0.09, True))       # KL higher
+    doc = {"meta": {"settings": {"budget": 0.2, "split_order": ["heldout7"]}}, "data": {"rows": rows(0.01, True)}}
+    text = report.variants_section(doc)
+    assert "it **holds**" in text and "Commits of the rows: ." in text           # no tuning split holds its rows
