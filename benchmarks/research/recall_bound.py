@@ -40,6 +40,15 @@ configuration): KL mean and agreement over the answer, and "kept": every step's 
 full cache's token (then greedy decoding reproduces the full cache's answer; for needle
 prompts the answer right where the full cache's is). Prints per model the mean KL of every
 configuration and its paired wins-losses (two-sided sign test) against both baselines.
+
+The decision, its rule fixed before the first full run: per model, among the digest schedules
+(the exact scores are the bound, not a candidate), those within 10% of the lowest mean KL, and of
+them the one with the largest k, then the smallest N (the cheapest to run), is the model's
+schedule. Stage 1 passes on a model if that schedule's mean KL is below head-independent
+eviction's on the same prompts and it has more paired KL wins than losses against no recall;
+the store's page size, k and N for the native work are then the ones chosen on every model
+(the larger k and N where they differ). If no digest schedule's mean KL is below
+head-independent eviction's on some model, the issue is blocked there, with these figures.
 """
 from __future__ import annotations
 
