@@ -191,7 +191,8 @@ def prompts(llm, g: dict) -> list[H.Prompt]:
     return ps
 
 
-def run(models, g: dict, log=print) -> list[dict]:
+def run(models, g: dict, log=print, done=None) -> list[dict]:
+    """Rows per (prompt, configuration); ``done(rows)`` after each prompt (the rows so far)."""
     rows = []
     for model in models:
         llm = H.load(model, g["length"] + g["tokens"] + 256)
@@ -252,6 +253,8 @@ def run(models, g: dict, log=print) -> list[dict]:
                         row(f"{scorer} k{kk} N{n_pages}", lp, int(m["kept_tokens"]), scorer=scorer, k=kk, N=n_pages,
                             recalled_per_step=st.recalled / len(st.resident) / T)
             log(f"recall {model} {p.meta['kind']} {p.meta['source']}: {time.perf_counter() - t_p:.0f} s")
+            if done is not None:
+                done(rows)
         llm.close()
     return rows
 
@@ -297,18 +300,23 @@ def main(argv=None) -> int:
                 ap.error(f"--{key.replace('_', '-')} must be at least 1")
             g[key] = v
     commit, t0 = evidence.commit_id(), time.perf_counter()
-    rows = run(args.models, g)
-    summ = summary(rows)
-    for x in summ:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(rows):        # after every prompt: a run cut short keeps what it measured
+        doc = {"meta": evidence.meta("quick" if args.quick else "full", g, time.perf_counter() - t0, commit),
+               "data": {"rows": rows, "summary": summary(rows)}}
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(out)
+    rows = run(args.models, g, done=write)
+    write(rows)
+    for x in summary(rows):
         print(f"{x['model']:20} {x['config']:18} KL {x['kl_mean']:.4f} agree {x['agreement']:.3f} kept {x['kept']:2d} "
               f"needles {x['needles_right']}/{x['needles_full']}  vs head-independent "
               f"{x['vs head-independent']['wins']}-{x['vs head-independent']['losses']} "
               f"(p {x['vs head-independent']['p']:.3g})  vs no recall {x['vs no recall']['wins']}-"
               f"{x['vs no recall']['losses']}")
-    doc = {"meta": evidence.meta("quick" if args.quick else "full", g, time.perf_counter() - t0, commit),
-           "data": {"rows": rows, "summary": summ}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
     return 0
 
 
