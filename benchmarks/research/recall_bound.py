@@ -183,12 +183,14 @@ def _segment_logps(llm, snap: H.Snapshot, resident: np.ndarray, fed: list[int], 
 
 
 def prompts(llm, g: dict) -> list[H.Prompt]:
-    ps = F.qa_prompts(llm, g["n_qa"], g["length"]) + F.code_prompts(llm, g["n_code"], g["length"])
+    """QA, code and needle prompts, interleaved (a run cut short has some of each)."""
+    needles = []
     for d in g["depths"]:
         p = niah.needle_prompt(llm, g["length"], d)
         p.meta.update(kind="needle", source=f"needle-{d}")
-        ps.append(p)
-    return ps
+        needles.append(p)
+    kinds = [F.qa_prompts(llm, g["n_qa"], g["length"]), F.code_prompts(llm, g["n_code"], g["length"]), needles]
+    return [ps[i] for i in range(max(map(len, kinds))) for ps in kinds if i < len(ps)]
 
 
 def run(models, g: dict, log=print, done=None) -> list[dict]:
