@@ -707,7 +707,6 @@ def variants_section(d, peers=None) -> str:
                      + (", and the same tokens per buffer as Page-EntroKV at the same page size" if same else "")
                      + ".\n\n")
     s.append(pooled_goal(rows, splits, peer_rows))
-    s.append(held_out_models(held_rows))
     # the rules' outcomes, recomputed from the rows
     ok = lambda c, sps: sum(r["correct"] for r in rows if r["config"] == c and r["split"] in sps)  # noqa: E731
     kl = lambda c, sps: _mean_kl([r for r in rows if r["config"] == c and r["split"] in sps])  # noqa: E731
@@ -770,6 +769,8 @@ def variants_section(d, peers=None) -> str:
                      + ("it **passes**: its settings are entrokv-edge's defaults." if passed else
                         f"it does **not** pass: {BASE_LABEL[base]} defaults stay."))
         s.append("\n")
+    if held_rows:
+        s.append("\n" + held_out_models(held_rows))
     return "".join(s)
 
 
