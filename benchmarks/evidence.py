@@ -90,6 +90,7 @@ def merge_part(path: Path, part: str, data, doc_meta: dict, models) -> dict:
     remain (models, mode, commit, date, seconds)."""
     run = {k: doc_meta[k] for k in ("mode", "commit", "date", "seconds")}
     run["models"] = sorted({r.get("model", "smollm2-135m") for r in _rows_of(data)} | set(models))
+    run["threads"] = doc_meta.get("settings", {}).get("threads")
     old = json.loads(path.read_text()) if path.exists() else None
     if old is None or not isinstance(_rows_of(old["data"]), list):
         return {"meta": {**doc_meta, "runs": [run]}, "data": data}
@@ -97,7 +98,8 @@ def merge_part(path: Path, part: str, data, doc_meta: dict, models) -> dict:
     kept = [r for r in _rows_of(old["data"]) if r.get("model", "smollm2-135m") not in redo]
     runs = [x for x in old["meta"].get("runs", [{k: old["meta"][k] for k in ("mode", "commit", "date", "seconds")}
                                                  | {"models": sorted({r.get("model", "smollm2-135m")
-                                                                      for r in _rows_of(old["data"])})}])
+                                                                      for r in _rows_of(old["data"])}),
+                                                    "threads": old["meta"].get("settings", {}).get("threads")}])
             if set(x["models"]) - redo]
     for x in runs:
         x["models"] = sorted(set(x["models"]) - redo)

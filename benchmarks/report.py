@@ -837,10 +837,13 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
         models = sorted({r.get("model", "smollm2-135m") for r in rows}) if isinstance(rows, list) else []
         th = v["meta"]["settings"].get("threads") if isinstance(v["meta"].get("settings"), dict) else None
         runs = v["meta"].get("runs") or [{**v["meta"], "models": models}]
+        per_run = all(x.get("threads") for x in runs) and len({x["threads"] for x in runs}) > 1   # runs differ
         cover.append(f"{k}: " + " + ".join(f"{x['mode']} mode, commit `{x['commit']}`, {x['date']}"
                                             + (f", {', '.join(x['models'])}" if x.get("models") else "")
+                                            + (f", {x['threads']} thread(s)" if per_run else "")
                                             for x in runs)
-                     + (f", {th} threads for every system" if th else ", threads: llama-cpp-python's defaults"))
+                     + ("" if per_run else f", {th} threads for every system" if th else
+                        ", threads: llama-cpp-python's defaults"))
     s.append("Parts: " + "; ".join(cover) + ".\n\n")
     makers = {"uor": uor_section, "masquerade": masquerade_section,
               "niah": lambda d: niah_section(d, Path(os.path.relpath(results, Path(report).parent))),

@@ -257,7 +257,7 @@ def test_peers_of_a_model_run_alone_join_the_other_models_and_the_report_pairs_e
         return r if model is None else {**r, "model": model}
 
     path = tmp_path / "peers.json"
-    old_meta = {"mode": "full", "commit": "a", "date": "d", "seconds": 1.0, "models": {}}
+    old_meta = {"mode": "full", "commit": "a", "date": "d", "seconds": 1.0, "models": {}, "settings": {"threads": 2}}
     path.write_text(json.dumps({"meta": old_meta, "data": {
         "skipped": None, "cases": 24, "gemma3": "not run: Q5_0", "rows": [row("kvpress-snapkv", None, True)]}}))
     new = {"skipped": None, "cases": {"qwen2.5-coder-0.5b": 1}, "not_run": {},
@@ -305,3 +305,21 @@ def test_a_held_out_model_is_judged_apart_by_the_rule_fixed_before_its_run():
     doc = {"meta": {"settings": {"budget": 0.2, "split_order": ["heldout7"]}}, "data": {"rows": rows(0.01, True)}}
     text = report.variants_section(doc)
     assert "it **holds**" in text and "Commits of the rows: ." in text           # no tuning split holds its rows
+
+
+def test_the_parts_line_names_each_runs_threads_where_they_differ(tmp_path):
+    """A part whose rows come from runs on different thread counts says each run's count (the
+    file's last settings would claim one count for every row)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+    src = json.loads((ROOT / "benchmarks" / "results" / "masquerade.json").read_text())
+    runs = src["meta"]["runs"]
+    (tmp_path / "masquerade.json").write_text(json.dumps(src))
+    report.write(tmp_path, tmp_path / "R.md")
+    line = next(l for l in (tmp_path / "R.md").read_text().splitlines() if l.startswith("Parts:"))
+    assert len({x["threads"] for x in runs}) == 1 and f"{runs[0]['threads']} threads for every system" in line
+    runs[0]["threads"], runs[1]["threads"] = 2, 1
+    (tmp_path / "masquerade.json").write_text(json.dumps(src))
+    report.write(tmp_path, tmp_path / "R.md")
+    line = next(l for l in (tmp_path / "R.md").read_text().splitlines() if l.startswith("Parts:"))
+    assert f"`{runs[0]['commit']}`" in line and "2 thread(s) + " in line and line.endswith("1 thread(s).")

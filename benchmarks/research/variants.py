@@ -391,6 +391,27 @@ def run(models, splits, lengths, budget, max_answer, configs=CONFIGS, commit="",
     return rows
 
 
+def merge(out, meta: dict, rows: list[dict], models, splits, configs) -> None:
+    """This run's rows into ``out``: they replace the file's rows of the same (model, split, config);
+    ``meta["runs"]`` lists every run that wrote rows into the file (mode, commit, date, seconds,
+    models, splits, threads; the rows carry their own commit)."""
+    import json
+    import evidence
+    out = Path(out)
+    old = json.loads(out.read_text()) if out.exists() else None
+    runs = []
+    if old is not None:
+        om = old["meta"]
+        runs = om.get("runs") or [{k: om[k] for k in ("mode", "commit", "date", "seconds")}
+                                  | {"models": sorted({r["model"] for r in old["data"]["rows"]}),
+                                     "splits": sorted({r["split"] for r in old["data"]["rows"]}),
+                                     "threads": om.get("settings", {}).get("threads")}]
+    runs.append({k: meta[k] for k in ("mode", "commit", "date", "seconds")}
+                | {"models": sorted(models), "splits": list(splits), "threads": meta["settings"].get("threads")})
+    evidence.merge_rows(out, {**meta, "runs": runs}, rows, key=lambda r: (r["model"], r["split"], r["config"]),
+                        redo={(m, s, c) for m in models for s in splits for c in ["full"] + list(configs)})
+
+
 def main(argv=None) -> int:
     import evidence
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -418,10 +439,8 @@ def main(argv=None) -> int:
                 "rounds": ROUNDS,
                 "configs": {k: CONFIGS[k] for k in args.configs},
                 "edge_defaults": ek.controller.config.EDGE_DEFAULTS, "threads": H.threads()}
-    evidence.merge_rows(args.out, evidence.meta("quick" if args.quick else "full", settings,
-                                                time.perf_counter() - t0, commit), rows,
-                        key=lambda r: (r["model"], r["split"], r["config"]),
-                        redo={(m, s, c) for m in args.models for s in splits for c in ["full"] + args.configs})
+    merge(args.out, evidence.meta("quick" if args.quick else "full", settings, time.perf_counter() - t0, commit), rows,
+          args.models, splits, args.configs)
     print(f"{len(rows)} rows -> {args.out} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
