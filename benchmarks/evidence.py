@@ -145,8 +145,9 @@ def peer_cases(lengths, depths, budgets, llm, quick=False) -> list[dict]:
 
 
 PEERS_NOT_RUN = {"gemma3-270m": "not run: OpenVINO GenAI cannot read Gemma 3's Q5_0 tensors ([load_gguf] "
-                                 "gguf_tensor_to_f16 failed); kvpress runs are kept to the models both peers load or "
-                                 "whose load error is on record"}
+                                 "gguf_tensor_to_f16 failed), and transformers converts its GGUF tokenizer wrongly (a "
+                                 "Unigram model instead of SentencePiece BPE), so kvpress would need our token ids, which "
+                                 "only benchmarks/research/variants_peers.py gives it"}
 
 
 def run_peers(models, quick: bool, threads: int, log=print) -> dict:
