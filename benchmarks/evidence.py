@@ -78,11 +78,6 @@ def _peers_cases(data) -> dict:
     return dict(c) if isinstance(c, dict) else ({"smollm2-135m": c} if c else {})
 
 
-def _peers_not_run(data) -> dict:
-    """{model: why the peers did not run on it} of a peers part (older files: the key "gemma3")."""
-    return {**({"gemma3-270m": data["gemma3"]} if data.get("gemma3") else {}), **data.get("not_run", {})}
-
-
 def merge_part(path: Path, part: str, data, doc_meta: dict, models) -> dict:
     """The part's document with this run's rows for ``models`` replacing the file's rows of
     those models and the other models' rows kept (a model added later runs alone: --models).
@@ -112,7 +107,7 @@ def merge_part(path: Path, part: str, data, doc_meta: dict, models) -> dict:
             merged["summary"] = fidelity.summary(rows)
         elif part == "peers":       # per-model counts and notes: the other models' are kept
             merged.pop("gemma3", None)
-            for k, mine in (("cases", _peers_cases), ("not_run", _peers_not_run)):
+            for k, mine in (("cases", _peers_cases), ("not_run", report.peers_not_run)):
                 merged[k] = {**{m: v for m, v in mine(old["data"]).items() if m not in redo}, **mine(data)}
     else:
         merged = rows

@@ -483,6 +483,11 @@ def _peers_model_table(rows, niah_rows, model) -> list[str]:
     return s
 
 
+def peers_not_run(data) -> dict:
+    """{model: why the peers did not run on it} of a peers part (older files: the key "gemma3")."""
+    return {**({"gemma3-270m": data["gemma3"]} if data.get("gemma3") else {}), **data.get("not_run", {})}
+
+
 def peers_section(d, niah_d) -> str:
     s = ["## 6. Peers on the same model and prompts\n"]
     data = d["data"]
@@ -493,7 +498,7 @@ def peers_section(d, niah_d) -> str:
     by_model = defaultdict(list)
     for r in rows:
         by_model[r.get("model", "smollm2-135m")].append(r)
-    not_run = {**({"gemma3-270m": data["gemma3"]} if data.get("gemma3") else {}), **data.get("not_run", {})}
+    not_run = peers_not_run(data)
     s.append("OpenVINO GenAI (cache eviction) and NVIDIA kvpress (SnapKV, StreamingLLM, ExpectedAttention) on "
              "each model's GGUF, the needle prompts of section 3 (same haystack text and question), greedy, the same "
              "thread count. Ours: the section 3 runs of the same cases.\n")
