@@ -93,43 +93,78 @@ def _answer(llm, n: int, stop) -> str:
     return llm.detokenize(H.greedy(llm, H.logits(llm), n, stop)).decode("utf-8", errors="replace")
 
 
-def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, commit: str, log=print) -> list[dict]:
+class RowLog:
+    """Rows written one per line as they are made (``path``; None: kept in memory only), so a run of
+    hours that stops keeps what it did, and a rerun reuses it: the full cache's rows (a plain llama.cpp
+    cache, independent of this package's code) from any commit, the others from the same commit."""
+
+    def __init__(self, path: str | None, commit: str):
+        self.path, self.commit, self.rows = path, commit, []
+        if path and Path(path).exists():
+            self.rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+    def find(self, key: dict) -> dict | None:
+        for r in reversed(self.rows):
+            if all(r.get(k) == v for k, v in key.items()) and (r["config"] == "full" or r["commit"] == self.commit):
+                return r
+        return None
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+
+def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, commit: str, log=print,
+                row_log: str | None = None) -> list[dict]:
+    import hashlib
     sp = SPLITS[split]
-    rows = []
+    book, rows = RowLog(row_log, commit), []
     for model in models:
         fits = [n for n in lengths if n <= H.train_context(model)]
         if not fits:
             continue
         full = H.load(model, max(fits) + max_answer + 64)
         stop = H.stop_tokens(full)
-        small = {c: _runtime(model, c, max(fits) + 1024) for c in cells}
+        small = {c: _runtime(model, c, max(fits) + 1024) for c in cells} if configs else {}
         for length in fits:
             for i, depth in enumerate(sp["depths"]):
                 kind = sp["kinds"][i % len(sp["kinds"])]
                 p, number = magic_prompt(full, length, depth, sp["offset"], seed=length * 1000 + depth, kind=kind,
                                          question_first=sp.get("question_first", False))
                 base = {"model": model, "split": split, "length": len(p.tokens), "target_length": length,
-                        "depth": depth, "kind": kind, "commit": commit}
-                C = ek.llama_cpp
-                C.llama_memory_clear(full._ctx.memory, True)
-                full.reset()
-                t0 = time.perf_counter()
-                full.eval(p.tokens)
-                t_full = time.perf_counter() - t0
-                ans = _answer(full, max_answer, stop)
-                rows.append({**base, "config": "full", "cells": len(p.tokens) + max_answer + 64, "answer": ans,
-                             "correct": number in ans.replace(",", ""), "prefill_s": t_full,
-                             "kept_tokens": len(p.tokens)})
+                        "depth": depth, "kind": kind, "max_answer": max_answer,
+                        "tokens_sha": hashlib.sha256(np.asarray(p.tokens, dtype=np.int64).tobytes()).hexdigest()[:16]}
+                key = {k: base[k] for k in ("model", "split", "target_length", "depth", "tokens_sha", "max_answer")}
+                base["commit"] = commit
+                row = book.find({**key, "config": "full"})
+                if row is None:
+                    C = ek.llama_cpp
+                    C.llama_memory_clear(full._ctx.memory, True)
+                    full.reset()
+                    t0 = time.perf_counter()
+                    full.eval(p.tokens)
+                    t_full = time.perf_counter() - t0
+                    ans = _answer(full, max_answer, stop)
+                    row = book.add({**base, "config": "full", "cells": len(p.tokens) + max_answer + 64, "answer": ans,
+                                    "correct": number in ans.replace(",", ""), "prefill_s": t_full,
+                                    "kept_tokens": len(p.tokens)})
+                rows.append(row)
                 for c in cells:
                     for name, kw in configs.items():
-                        kw = dict(kw)
-                        guide = None
-                        if kw.pop("guide_from", None) == "question":
-                            guide = p.meta["question_tokens"] + p.tokens[-ek.EvictionConfig(**kw).guide:]
-                        r = _read(small[c], p.tokens, ek.EvictionConfig(**kw), guide)
-                        ans = _answer(small[c], max_answer, stop)
-                        rows.append({**base, "config": name, "cells": c, "answer": ans,
-                                     "correct": number in ans.replace(",", ""), **r})
+                        row = book.find({**key, "config": name, "cells": c})
+                        if row is None:
+                            kw = dict(kw)
+                            guide = None
+                            if kw.pop("guide_from", None) == "question":
+                                guide = p.meta["question_tokens"] + p.tokens[-ek.EvictionConfig(**kw).guide:]
+                            r = _read(small[c], p.tokens, ek.EvictionConfig(**kw), guide)
+                            ans = _answer(small[c], max_answer, stop)
+                            row = book.add({**base, "config": name, "cells": c, "answer": ans,
+                                            "correct": number in ans.replace(",", ""), **r})
+                        rows.append(row)
                 got = {(r["config"], r["cells"]): int(r["correct"]) for r in rows if r["depth"] == depth
                        and r["target_length"] == length and r["model"] == model}
                 log(f"long needle {model} {split} {length} depth {depth} ({kind}): " +
@@ -188,7 +223,10 @@ def main(argv=None) -> int:
     ap.add_argument("--split", choices=list(SPLITS), default="heldout")
     ap.add_argument("--lengths", type=int, nargs="+")
     ap.add_argument("--cells", type=int, nargs="+")
-    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["piecewise", "guided"])
+    ap.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=["piecewise", "guided"],
+                    help="none: the full cache's rows only")
+    ap.add_argument("--row-log", help="needle rows, one JSON line each as they are made; a rerun with the same "
+                    "file reuses them (the full cache's from any commit, the others from the same commit)")
     ap.add_argument("--out", default=str(HERE / "results" / "long_prompt.json"))
     args = ap.parse_args(argv)
     g = QUICK if args.quick else FULL
@@ -200,7 +238,7 @@ def main(argv=None) -> int:
     if "needle" in parts:
         rows += [{"part": "needle", **r} for r in needle_rows(
             args.models, args.split, args.lengths or g["lengths"], args.cells or g["cells"],
-            {k: CONFIGS[k] for k in args.configs}, g["max_answer"], commit)]
+            {k: CONFIGS[k] for k in args.configs}, g["max_answer"], commit, row_log=args.row_log)]
     if "fidelity" in parts:
         f = fidelity.QUICK if args.quick else fidelity.FULL
         rows += [{"part": "fidelity", "split": "fidelity", **r} for r in fidelity_rows(
