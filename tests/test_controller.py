@@ -124,9 +124,11 @@ def test_scores_by_position_against_a_cell_by_cell_reference():
         n_kv = int(rng.integers(1, kv + 1))
         tp_obs = np.where(rng.random((L * G, n_kv)) < 0.8, rng.integers(-1, n + 3, (L * G, n_kv)), -1).astype(np.int32)
         obs = SimpleNamespace(true_pos=tp_obs, scores=rng.random((L, H, n_kv)))
-        s, present = EvictionController._scores_by_position(obs, tp_now, n, L, H, r)
-        assert s.shape == (L, H, n) and present.shape == (L, G, n)
+        present = EvictionController._by_position(tp_now, n, tp_now >= 0).reshape(L, G, n)
+        assert present.shape == (L, G, n)
         for l in range(L):
+            sl = EvictionController._layer_scores_by_position(obs, present, l, n, H, r)
+            assert sl.shape == (H, n)
             for h in range(H):
                 slot = l * G + h // r
                 held = {int(p) for p in tp_now[slot] if 0 <= p < n}
@@ -138,4 +140,4 @@ def test_scores_by_position_against_a_cell_by_cell_reference():
                 known = [seen[p] for p in sorted(held) if p in seen]
                 fill = sum(known) / max(len(known), 1)
                 want = [(seen[p] if p in seen else fill) if p in held else 0.0 for p in range(n)]
-                np.testing.assert_allclose(s[l, h], want, rtol=1e-12, atol=0)
+                np.testing.assert_allclose(sl[h], want, rtol=1e-12, atol=0)

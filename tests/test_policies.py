@@ -305,3 +305,36 @@ def test_the_c_defaults_and_the_bindings_take_the_configurations_settings():
     given_all = select_pages_native(s, 2, budget=64, page_size=cfg.page_size, sinks=cfg.sinks, recent=cfg.rho,
                                     tau=cfg.tau)
     assert np.array_equal(select_pages_native(s, 2, budget=64), given_all)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("extra", [{}, {"page_score": "max"}, {"consensus": 0.5, "value_power": 1.0},
+                                   {"entropy_region": "evictable", "head_pool": "max"}, {"head_pool": "entropy"}])
+def test_selecting_one_layer_at_a_time_is_the_same_selection(policy, extra):
+    """The controller selects layer by layer (its working memory one layer's scores, not L layers' of the
+    logical length): pages, weights, statistics and the heads' own pages equal the joint selection's,
+    also with pages already gone from some group buffers."""
+    from dataclasses import fields
+    from entrokv_edge.controller.policies import select_layers
+    from entrokv_edge.controller.stats import HeadSummary
+    rng = np.random.default_rng(len(policy) + len(extra))
+    L, H, r, n = 4, 6, 3, 301
+    s = rng.random((L, H, n)) ** 6
+    s[1, 2] = 0.0                                                    # an all-zero head
+    s[2, 4, 4:] = 0.0                                                # a head all on its sinks
+    values = rng.random((L, H // r, n)).astype(np.float32)
+    extra = {} if policy != "entrokv-edge" and set(extra) - {"page_score", "value_power"} else extra
+    cfg = EvictionConfig(budget=0.3, window=16, policy=policy, **extra)
+    avail = None if policy == "full" else rng.random((L, H // r, cfg.n_pages(n))) > 0.2
+    if avail is not None:
+        avail[..., cfg.protected(n)] = True
+    joint = select(s, r, cfg, n, available=avail, values=values)
+    parts = select_layers(lambda l: s[l], L, r, cfg, n, available=avail, values=values)
+    np.testing.assert_array_equal(parts.pages, joint.pages)
+    np.testing.assert_array_equal(parts.head_pages, joint.head_pages)
+    assert parts.n_budget == joint.n_budget
+    assert (parts.weights is None) == (joint.weights is None)
+    if joint.weights is not None:
+        np.testing.assert_array_equal(parts.weights, joint.weights)
+    for f in fields(HeadSummary):
+        np.testing.assert_array_equal(getattr(parts.stats, f.name), getattr(joint.stats, f.name))

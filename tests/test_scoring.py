@@ -78,6 +78,27 @@ def test_observation_through_llama_and_after_compaction(synth_models):
     assert ek.geometry(llm).pos_max == 65 + W + 1
 
 
+def test_an_observation_and_its_scores_are_freed_when_dropped_without_the_garbage_collector(synth_models):
+    """Nothing but its user holds an observation: its scores (MiBs on a real model) go when it is
+    dropped, not when the cyclic garbage collector next runs (a long prompt makes two per piece)."""
+    import gc
+    import weakref
+    llm = make_llm(synth_models["llama-r3"])
+    gc.disable()
+    try:
+        with Observation(llm, W) as obs:
+            feed(llm, np.random.default_rng(6).integers(3, 300, 2 * W))
+        assert obs.count == 1
+        gone_obs, gone_last = weakref.ref(obs), weakref.finalize(obs.last.scores, lambda: None)
+        del obs
+        assert gone_obs() is None and not gone_last.alive
+    finally:
+        gc.enable()
+    with Observation(llm, W) as again:      # observing still works after one was freed mid-run
+        feed(llm, np.random.default_rng(7).integers(3, 300, W))
+    assert again.count == 1
+
+
 def test_bad_windows_are_refused(synth_models):
     llm = make_llm(synth_models["llama-r2"], n_ctx=64)
     with pytest.raises(ValueError):

@@ -11,6 +11,7 @@ calls ``handler(view)`` first if one is given.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,8 +82,14 @@ class Observation:
         self.count = 0
         self._error: BaseException | None = None
         ffi, _ = _api()
+        # the callback holds the observation weakly: a cycle (observation -> callback -> observation) would
+        # keep every observation's scores alive until the garbage collector happened to run, MiBs each
+        ref = weakref.ref(self)
 
         def on_scores(user_data, s):
+            self = ref()
+            if self is None:
+                return
             try:
                 view = _view(ffi, s)
                 if self.handler is not None:

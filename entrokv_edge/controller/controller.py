@@ -19,7 +19,7 @@ from . import metrics as M
 from .config import EvictionConfig
 from .lookahead import lookahead_scores
 from .pages import page_scores, pages_to_positions
-from .policies import Selection, select
+from .policies import Selection, select_layers
 from .weights import head_weights
 
 
@@ -90,13 +90,15 @@ class EvictionController:
         r = H // G
         fresh = g.n_compacted == 0 and g.n_used == n and scores.pos_last == g.pos_max
         if fresh:   # cells are positions: no mapping needed
-            s, available, tp_now = scores.scores[:, :, :n], None, None
+            available, tp_now = None, None
+            layer_scores = lambda l: scores.scores[l, :, :n]        # noqa: E731
         else:
             tp_now = true_positions(llm)
-            s, present = self._scores_by_position(scores, tp_now, n, L, H, r)
+            present = self._by_position(tp_now, n, tp_now >= 0).reshape(L, G, n)
             available = page_scores(present.astype(np.float32), cfg.page_size, "max") > 0
+            layer_scores = lambda l: self._layer_scores_by_position(scores, present, l, n, H, r)    # noqa: E731
         values = self._values_by_position(llm, tp_now, n, L, G) if cfg.value_power > 0 else None
-        sel = select(s, r, cfg, n, available=available, n_keep=n_keep, values=values)
+        sel = select_layers(layer_scores, L, r, cfg, n, available=available, n_keep=n_keep, values=values)
         positions = pages_to_positions(sel.pages, cfg.page_size, n)
         t1 = time.perf_counter()
         if cfg.policy != "full":
@@ -107,38 +109,36 @@ class EvictionController:
             compact(llm, cells)
         t2 = time.perf_counter()
         result = EvictionResult(sel, positions)
-        result.metrics = self._metrics(llm, s, r, sel, positions, n, needles)
+        result.metrics = self._metrics(llm, L, H, r, sel, positions, n, needles)
         # where the time went: selection (scores to kept positions), compaction, the metrics (UOR replay etc.)
         result.metrics["timing"] = {"select_s": t1 - t0, "compact_s": t2 - t1,
                                     "metrics_s": time.perf_counter() - t2}
         return result
 
     @staticmethod
-    def _scores_by_position(scores: WindowScores, tp_now: np.ndarray, n: int, L: int, H: int, r: int):
-        """Scores [L, H, n] indexed by true position, and the pages [L, G, n_pages]
-        each group still holds. One layer at a time: besides the result, the temporaries are a
-        layer's."""
+    def _layer_scores_by_position(scores: WindowScores, present: np.ndarray, l: int, n: int, H: int,
+                                  r: int) -> np.ndarray:
+        """Layer l's scores [H, n] indexed by true position; ``present`` [L, G, n]: the positions each
+        group buffer holds. Held but never observed (decoded after the window): the mean of the
+        head's observed held keys; not held: 0."""
         G = H // r
-        slot_of = head_slots(L, H, G)                                             # [L, H]
-        present = EvictionController._by_position(tp_now, n, tp_now >= 0).reshape(L, G, n)
+        slot_of = head_slots(present.shape[0], H, G)                              # [L, H]
         group_of = np.arange(H) // r
-        s = np.zeros((L, H, n), dtype=np.float64)
-        for l in range(L):
-            tp_obs = scores.true_pos[slot_of[l]]                                  # [H, n_kv]
-            hi, ci = np.nonzero((tp_obs >= 0) & (tp_obs < n))
-            at = tp_obs[hi, ci]
-            sl = s[l]
-            sl[hi, at] = scores.scores[l, hi, ci]
-            scored = np.zeros((H, n), dtype=bool)
-            scored[hi, at] = True
-            held = present[l, group_of]                                           # [H, n]
-            unscored = held & ~scored
-            if unscored.any():      # held but never observed: the mean of the head's observed held keys
-                known = held & scored
-                mean = np.where(known, sl, 0.0).sum(-1) / np.maximum(known.sum(-1), 1)
-                sl[unscored] = np.broadcast_to(mean[:, None], sl.shape)[unscored]
-            sl[~held] = 0.0
-        return s, present
+        tp_obs = scores.true_pos[slot_of[l]]                                      # [H, n_kv]
+        hi, ci = np.nonzero((tp_obs >= 0) & (tp_obs < n))
+        at = tp_obs[hi, ci]
+        sl = np.zeros((H, n), dtype=np.float64)
+        sl[hi, at] = scores.scores[l, hi, ci]
+        scored = np.zeros((H, n), dtype=bool)
+        scored[hi, at] = True
+        held = present[l, group_of]                                               # [H, n]
+        unscored = held & ~scored
+        if unscored.any():
+            known = held & scored
+            mean = np.where(known, sl, 0.0).sum(-1) / np.maximum(known.sum(-1), 1)
+            sl[unscored] = np.broadcast_to(mean[:, None], sl.shape)[unscored]
+        sl[~held] = 0.0
+        return sl
 
     @staticmethod
     def _values_by_position(llm, tp_now: np.ndarray | None, n: int, L: int, G: int) -> np.ndarray:
@@ -171,10 +171,9 @@ class EvictionController:
             raise ValueError("a selected position is not in its group buffer any more")
         return np.nonzero(hit)[1].reshape(n_slots, -1).astype(np.int32)
 
-    def _metrics(self, llm, s, r, sel, positions, n, needles) -> dict:
+    def _metrics(self, llm, L, H, r, sel, positions, n, needles) -> dict:
         cfg = self.config
         g = geometry(llm)
-        L, H, _ = s.shape
         G = H // r
         n_pages = cfg.n_pages(n)
         u = M.uor(sel.head_pages, r, n_pages)

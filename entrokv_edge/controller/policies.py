@@ -8,7 +8,8 @@ which keeps the union of its heads' choices padded to the largest union.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Callable
 
 import numpy as np
 
@@ -271,6 +272,31 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
     else:  # guarded by EvictionConfig
         raise ValueError(cfg.policy)
     return Selection(pages=pages, n_budget=N, weights=w, stats=summary, head_pages=head_pages)
+
+
+def select_layers(layer_scores: Callable[[int], np.ndarray], L: int, r: int, cfg: EvictionConfig, n: int, *,
+                  available: np.ndarray | None = None, n_keep: int | None = None,
+                  values: np.ndarray | None = None) -> Selection:
+    """``select`` one layer at a time, the same selection: ``layer_scores(l)`` gives layer l's scores
+    [H, n], so what the policy computes on the way (page sums, pooled scores, distributions: several
+    arrays the size of s) is one layer's, not L layers' of the logical length n. Two choices span the
+    layers and take them all at once: head-independent pads every group's union to the longest over
+    all layers, and consensus (> 0) votes over every (layer, group)."""
+    joint = cfg.policy == "head-independent" or (cfg.policy == "entrokv-edge" and cfg.consensus > 0)
+    if joint or L == 0:
+        s = np.stack([layer_scores(l) for l in range(L)]) if L else np.zeros((0, 0, n))
+        return select(s, r, cfg, n, available=available, n_keep=n_keep, values=values)
+    parts = []
+    for l in range(L):
+        part = select(layer_scores(l)[None], r, cfg, n, n_keep=n_keep,
+                      available=None if available is None else available[l: l + 1],
+                      values=None if values is None else values[l: l + 1])
+        parts.append(part)
+    cat = lambda xs: np.concatenate(xs, axis=0)      # noqa: E731
+    w = None if parts[0].weights is None else cat([p.weights for p in parts])
+    stats = HeadSummary(*(cat([getattr(p.stats, f.name) for p in parts]) for f in fields(HeadSummary)))
+    return Selection(pages=cat([p.pages for p in parts]), n_budget=parts[0].n_budget, weights=w, stats=stats,
+                     head_pages=cat([p.head_pages for p in parts]))
 
 
 def union_padded(heads: np.ndarray, score: np.ndarray) -> np.ndarray:
