@@ -167,3 +167,21 @@ def test_call_stop_sequences_and_sampling_work_as_in_llama_cpp(smollm2):
     sampled = llm("The weather today is", max_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=3)
     again = llm("The weather today is", max_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=3)
     assert sampled["choices"][0]["text"] == again["choices"][0]["text"]   # seeded sampling is reproducible
+
+
+@pytest.mark.parametrize("guide_draft", [0, 4])
+def test_a_long_prompt_leaves_room_for_the_drafts_its_evictions_are_scored_with(model, guide_draft):
+    """A prompt read in pieces: every guided eviction drafts guide_draft tokens after the guide, and the
+    eviction after the prompt its whole lookahead draft (the pieces leave them the cells); the drafts
+    leave nothing behind, and the budget holds."""
+    cfg = dict(SETTINGS, lookahead=8, guide=16, guide_draft=guide_draft)
+    llm = ek.EntroKVLlama(model, n_ctx=256, **cfg)
+    toks = prompt(1000, seed=3)
+    llm.eval(toks)
+    rep = llm.kv_report()
+    assert rep["evictions"] >= 4 and rep["guided_evictions"] == rep["evictions"] - 1
+    assert rep["drafted_tokens"] == 8 + guide_draft * rep["guided_evictions"]
+    assert llm.n_tokens == 1000 and ek.geometry(llm).pos_max == 999 and rep["kept_tokens"] == 64
+    fits = ek.EntroKVLlama(model, n_ctx=256, **cfg)       # a prompt the cache holds: read in one piece, as before
+    fits.eval(toks[:180])
+    assert fits.kv_report()["evictions"] == 1 and fits.kv_report()["guided_evictions"] == 0

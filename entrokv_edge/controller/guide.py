@@ -26,15 +26,16 @@ from .lookahead import lookahead_scores, restore_tail
 
 
 def guide_scores(llm, scores: WindowScores, guide: list[int], eval_tokens: Callable[[list[int]], None],
-                 share: float, draft: int = 0, stats: dict | None = None) -> WindowScores:
+                 share: float, draft: int = 0, stats: dict | None = None, draft_share: float = 0.0) -> WindowScores:
     """``scores`` (the piece's window, observed on ``llm``'s cache as it is now) mixed with the
     attention of ``guide`` evaluated after it: (1 - share) x window + share x guide, the guide's
     attention normalized over the cells the window saw (its own tokens are gone afterwards).
 
     The guide is cut to its last tokens where the cache, a batch or a ubatch has less room
-    (``stats["guided"]``: the tokens used, 0 when none fit); with ``draft`` k > 0, up to k tokens
-    are drafted greedily after it and their attention joins the guide's, each drafted query
-    counting as one of the guide's. ``eval_tokens`` evaluates tokens on ``llm`` without evicting.
+    (``stats["guided"]``: the tokens used, 0 when none fit; ``stats["drafted"]``: the draft's); with ``draft`` k > 0, up to k tokens
+    are drafted greedily after it and their attention joins the guide's as a draft joins the window
+    after a prompt: with ``draft_share`` 0 each drafted query counts as one of the guide's, with
+    x in (0, 1] the draft's mean weighs x (the option lookahead_share). ``eval_tokens`` evaluates tokens on ``llm`` without evicting.
     On return the cache, token count and last logits are as before, also when evaluating fails."""
     llama_cpp = ensure_llama_cpp()
     n, g = llm.n_tokens, geometry(llm)
@@ -52,7 +53,7 @@ def guide_scores(llm, scores: WindowScores, guide: list[int], eval_tokens: Calla
             eval_tokens(guide)
         seen = obs.last
         if draft:
-            seen = lookahead_scores(llm, seen, draft, eval_tokens)
+            seen = lookahead_scores(llm, seen, draft, eval_tokens, stats, share=draft_share)
     except BaseException:
         restore_tail(llm, n, last, strict=False)      # the guide's own error is the one to see
         raise

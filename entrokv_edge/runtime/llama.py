@@ -132,6 +132,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self.eviction_s = 0.0          # wall time spent in evictions (selection, compaction, lookahead's draft)
         self.n_guided = 0              # evictions between pieces of a prompt that its guide steered
         self.guide_s = 0.0             # wall time spent evaluating the guide (and its draft) for them
+        self.n_drafted = 0             # tokens drafted to score evictions (lookahead's, the guide's), then removed
 
     def close(self) -> None:
         """Free the model and the cache: after any call in flight in another thread; refused
@@ -277,8 +278,9 @@ class EntroKVLlama(llama_cpp.Llama):
         elif isinstance(guide, str):
             guide = self.tokenize(guide.encode(), add_bos=False, special=True)
         guide = [int(t) for t in guide]
-        # after an eviction the cache has at least `reserve` free cells: a piece of a window or more and the guide
-        room = self.reserve - cfg.window
+        # after an eviction the cache has at least `reserve` free cells: a piece of a window or more, the guide
+        # and its draft
+        room = self.reserve - cfg.window - cfg.guide_draft
         return guide[max(len(guide) - room, 0):] if room > 0 else []
 
     def _evict_between(self, guide: list[int]) -> None:
@@ -289,9 +291,11 @@ class EntroKVLlama(llama_cpp.Llama):
                 and ws.pos_last == self.n_tokens - 1:
             t0, stats = time.perf_counter(), {}
             self._ensure_ids(self.n_tokens + len(guide) + cfg.guide_draft)
-            self._window_scores = guide_scores(self, ws, guide, super().eval, cfg.guide_share, cfg.guide_draft, stats)
+            self._window_scores = guide_scores(self, ws, guide, super().eval, cfg.guide_share, cfg.guide_draft, stats,
+                                              cfg.lookahead_share)
             self.guide_s += time.perf_counter() - t0
             self.n_guided += stats["guided"] > 0
+            self.n_drafted += stats.get("drafted", 0)
         self.evict()
 
     def _eval(self, tokens, guide=None) -> None:
@@ -305,17 +309,22 @@ class EntroKVLlama(llama_cpp.Llama):
         self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
         self._ensure_ids(self.n_tokens + len(tokens))
         w, total, done = self.config.window, len(tokens), 0
-        guide = self._guide_tokens(tokens, guide) if total > self.kv_cells - self._used() else []
+        splits = total > self.kv_cells - self._used()       # read in pieces, with evictions in between
+        guide = self._guide_tokens(tokens, guide) if splits else []
+        g_room = len(guide) + (self.config.guide_draft if guide else 0)    # what the guide and its draft take
+        tail = self.config.lookahead if splits and total >= w else 0        # the final eviction's draft
         while done < total:
             rest = total - done
             free = self.kv_cells - self._used()
-            room = len(guide) if rest > free else 0      # cells the guide needs before the next eviction
-            if free - room < min(rest, w) or free <= 0:
-                self._evict_between(guide)
+            room = g_room if rest + tail > free else 0   # cells the guide needs before the next eviction
+            if free - room < min(rest, w) or free <= 0 or (done and rest <= w and rest + tail > free):
+                self._evict_between(guide)       # (the last: the final window and its draft then fit)
                 free = self.kv_cells - self._used()
-                room = len(guide) if rest > free else 0
+                room = g_room if rest + tail > free else 0
             piece = min(rest, free - room)
-            if piece < rest and rest - piece < w <= rest:
+            if piece == rest and rest + tail > free and rest > w:
+                piece = rest - w               # the last window after one more eviction, with room for the draft
+            elif piece < rest and rest - piece < w <= rest:
                 piece = rest - w               # leave the last window whole for the final piece
             if piece < rest and piece > self.n_batch:
                 piece -= piece % self.n_batch  # whole batches, as llama-cpp-python decodes them
@@ -325,8 +334,10 @@ class EntroKVLlama(llama_cpp.Llama):
             if self.config.lookahead:           # the answer's first queries join the window's
                 t0 = time.perf_counter()
                 self._ensure_ids(self.n_tokens + self.config.lookahead)
-                self._window_scores = self.controller.draft_scores(self, self._window_scores, super().eval)
+                stats = {}
+                self._window_scores = self.controller.draft_scores(self, self._window_scores, super().eval, stats)
                 self.eviction_s += time.perf_counter() - t0
+                self.n_drafted += stats.get("drafted", 0)
             self.evict()                        # after a prompt: down to the budget
 
     def reset(self) -> None:
@@ -348,7 +359,7 @@ class EntroKVLlama(llama_cpp.Llama):
                 "kv_bytes_kept": sum(x["bytes_held"] for x in layers),
                 "kv_bytes_allocated": g.kv_size * g.bytes_per_cell, "evictions": self.n_evictions,
                 "eviction_s": self.eviction_s, "guided_evictions": self.n_guided, "guide_s": self.guide_s,
-                "layers": layers}
+                "drafted_tokens": self.n_drafted, "layers": layers}
 
     def save_session(self, path: str | Path, extra: dict | None = None) -> None:
         """Save the state (``save_state``) to ``path``, atomically, with checksums and the model's
