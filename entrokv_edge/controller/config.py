@@ -83,7 +83,8 @@ class EvictionConfig:
     guide_share    : x in [0, 1]: the guide's share of the mixed scores, (1 - x) x the piece's window + x x
                      the guide's
     guide_draft    : k in [0, MAX_LOOKAHEAD]: tokens drafted greedily after the guide, whose attention
-                     joins the guide's (as lookahead does after a prompt); 0: none
+                     joins the guide's as lookahead's joins the window after a prompt (weighed by
+                     lookahead_share); 0: none
     """
 
     budget: float | int | None = None
@@ -105,7 +106,7 @@ class EvictionConfig:
     lookahead_share: float | None = None
     guide: int = 32
     guide_share: float = 1.0
-    guide_draft: int = 0
+    guide_draft: int = 8                # chosen on the tune prompts (benchmarks/long_prompt.py, tune round 2)
 
     def __post_init__(self):
         def bad(msg):
