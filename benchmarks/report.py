@@ -341,8 +341,9 @@ def long_prompt_section(d) -> str:
             share = [r["guide_s"] / r["prefill_s"] for r in cost]
             s.append(f"The guide's own cost: {float(np.median(share)) * 100:.1f}% of the guided prefill's time (median; "
                      f"{float(np.median([r['guided'] for r in cost])):.0f} guided evictions per prompt).\n\n")
-    fr = [r for r in rows if r["part"] == "fidelity" and r["config"] != "not run"]
-    not_run = [r for r in rows if r["part"] == "fidelity" and r["config"] == "not run"]
+    judge = [r for r in rows if r["part"] == "fidelity" and r.get("split", "fidelity") == "fidelity"]
+    fr = [r for r in judge if r["config"] != "not run"]
+    not_run = [r for r in judge if r["config"] == "not run"]
     if fr:
         key = lambda r: (r["model"], r["kind"], r["source"])  # noqa: E731
         by = {(r["config"], key(r)): r for r in fr}
@@ -362,9 +363,36 @@ def long_prompt_section(d) -> str:
         s.append(_table(["model", "prompts", "cells", "kept", "one eviction KL", "piecewise KL", "guided KL",
                          "guided / one eviction", "guided vs piecewise (wins-losses)"], table))
         s.append("\nThe goal: guided within 1.5x of one eviction's mean KL.\n\n")
+    s.append(_fidelity_tune([r for r in rows if r["part"] == "fidelity" and r.get("split") == "fidelity-tune"]))
     for r in not_run:
         s.append(f"Fidelity through {r['cells']} cells, {r['model']}: not run ({r['reason']}).\n\n")
     return "".join(s)
+
+
+def _fidelity_tune(rows) -> str:
+    """The guide's settings on the tune prompts (not the judge's): mean KL per configuration and each
+    paired against the defaults ("guided")."""
+    if not rows:
+        return ""
+    key = lambda r: (r["model"], r["kind"], r["source"])  # noqa: E731
+    configs = list(dict.fromkeys(r["config"] for r in rows if r["config"] != "one eviction"))
+    by = {(r["config"], key(r)): r["kl_mean"] for r in rows}
+    table = []
+    for mdl in sorted({r["model"] for r in rows}):
+        ks = sorted({key(r) for r in rows if r["model"] == mdl and r["config"] == "one eviction"})
+        line = [mdl, len(ks), float(np.mean([by[("one eviction", k)] for k in ks]))]
+        for c in configs:
+            both = [k for k in ks if (c, k) in by]
+            mean = float(np.mean([by[(c, k)] for k in both])) if both else float("nan")
+            pair = [k for k in both if ("guided", k) in by]
+            w = sum(by[(c, k)] < by[("guided", k)] for k in pair)
+            lo = sum(by[(c, k)] > by[("guided", k)] for k in pair)
+            line.append(f"{mean:.3f}" + (f" ({w}-{lo})" if c != "guided" else ""))
+        table.append(line)
+    commits = ", ".join(f"`{c}`" for c in sorted({r.get("commit", "?") for r in rows}))
+    return ("**Tune prompts** (QA essays and code modules the judge does not use, same cache and answer length; "
+            f"mean KL per configuration, and its paired wins-losses against the defaults, \"guided\"; rows {commits}):\n\n"
+            + _table(["model", "prompts", "one eviction"] + configs, table) + "\n")
 
 
 def _speed_model(rows, model, policies) -> str:

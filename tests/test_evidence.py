@@ -228,10 +228,17 @@ def test_report_sections_8_and_9_render_their_rows():
                  {**base, "config": "piecewise", "kl_mean": pw}, {**base, "config": "guided", "kl_mean": gd}]
     rows.append({"part": "fidelity", "split": "fidelity", "model": "g", "config": "not run", "cells": 512,
                  "reason": "a cache of 512 cells cannot run it", "commit": "c"})
+    for i, (gd, d0, d24) in enumerate([(0.2, 0.3, 0.1), (0.4, 0.5, 0.9)]):     # tune prompts: not the judge's table
+        base = {"part": "fidelity", "split": "fidelity-tune", "model": "m", "kind": "qa", "source": f"t{i}",
+                "cells": 512, "commit": "t"}
+        rows += [{**base, "config": "one eviction", "kl_mean": 0.05}, {**base, "config": "guided", "kl_mean": gd},
+                 {**base, "config": "guide-nodraft", "kl_mean": d0}, {**base, "config": "guide+draft24", "kl_mean": d24}]
     s = report.long_prompt_section({"meta": {}, "data": {"rows": rows}})
-    line = next(l for l in s.splitlines() if l.startswith("| m |"))
+    line = next(l for l in s.splitlines() if l.startswith("| m | 3 |"))
     assert "| 3 | 512 | 384 |" in line and "0.183" in line and "1.83x" in line and "2-1" in line
     assert "g: not run (a cache of 512 cells cannot run it)" in s
+    tune = next(l for l in s.splitlines() if l.startswith("| m | 2 |"))
+    assert tune == "| m | 2 | 0.050 | 0.300 | 0.400 (0-2) | 0.500 (1-1) |", tune
     soak = json.loads((ROOT / "benchmarks" / "results" / "soak.json").read_text())
     fuzz = {"examples": 5, "derandomize": True, "parts": {"compact": {"inputs": 5, "accepted": 2, "seconds": 0.1,
                                                                        "outcomes": {"ok": 2, "LIST_LENGTH": 3}}}}
