@@ -76,7 +76,8 @@ def _one(spec: dict) -> dict:
         rep = llm.kv_report()
         out.update(evictions=rep["evictions"], eviction_s=rep["eviction_s"], kept_tokens=rep["kept_tokens"],
                    kv_bytes_full=rep["kv_bytes_full"], kv_bytes_kept=rep["kv_bytes_kept"],
-                   guided_evictions=rep["guided_evictions"], guide_s=rep["guide_s"])
+                   guided_evictions=rep["guided_evictions"], guide_s=rep["guide_s"],
+                   drafted_tokens=rep["drafted_tokens"])
     llm.close()
     return out
 
