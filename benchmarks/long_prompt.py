@@ -187,6 +187,19 @@ def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, co
     return rows
 
 
+def fidelity_reference(full, p, tokens: int, stop) -> tuple:
+    """On ``full`` (a plain cache that holds the prompt): the prefill snapshot of ``p``, the greedy
+    answer (up to ``tokens``) and the next-token log-probabilities along it, what a read is judged by.
+    The snapshot is restored on return."""
+    snap = H.prefill(full, p)["inside"]
+    H.restore(full, snap)
+    ref = H.greedy(full, snap.logits, tokens, stop) or [int(np.argmax(snap.logits))]
+    H.restore(full, snap)
+    full_lp = fidelity._follow(full, snap.logits, ref)
+    H.restore(full, snap)
+    return snap, ref, full_lp
+
+
 FIDELITY_SPLITS = {           # (QA essays from #, code modules from #): the judge, and the prompts that tune it
     "fidelity": dict(qa_offset=0, code_offset=0),
     "fidelity-tune": dict(qa_offset=12, code_offset=6, n_qa=6, n_code=2),
@@ -214,11 +227,7 @@ def fidelity_rows(models, tokens: int, n_qa: int, n_code: int, length: int, comm
         budget = small._capacity_pages() * small.config.page_size      # what the small cache keeps
         for p in fidelity.qa_prompts(full, n_qa, length, sp["qa_offset"]) + \
                 fidelity.code_prompts(full, n_code, length, sp["code_offset"]):
-            snap = H.prefill(full, p)["inside"]
-            H.restore(full, snap)
-            ref = H.greedy(full, snap.logits, tokens, stop) or [int(np.argmax(snap.logits))]
-            H.restore(full, snap)
-            full_lp = fidelity._follow(full, snap.logits, ref)
+            snap, ref, full_lp = fidelity_reference(full, p, tokens, stop)
             base = {"model": model, "kind": p.meta["kind"], "source": p.meta["source"], "tokens": len(ref),
                     "prompt_tokens": len(p.tokens), "cells": cells, "commit": commit}
             m = H.evict_from(full, snap, ek.EvictionConfig(budget=budget))

@@ -80,11 +80,7 @@ def run(models, configs, length: int, n_qa: int, n_code: int, tokens: int, log=p
         L, G = len(g.layers), g.layers[0].n_head_kv
         for p in fidelity.qa_prompts(full, n_qa, length) + fidelity.code_prompts(full, n_code, length):
             t0 = time.perf_counter()
-            snap = H.prefill(full, p)["inside"]
-            H.restore(full, snap)
-            ref = H.greedy(full, snap.logits, tokens, stop) or [int(np.argmax(snap.logits))]
-            H.restore(full, snap)
-            full_lp = fidelity._follow(full, snap.logits, ref)
+            snap, ref, full_lp = LP.fidelity_reference(full, p, tokens, stop)
 
             def kl(lp):
                 return float(np.mean(fidelity._kl(full_lp, lp)))
