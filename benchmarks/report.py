@@ -437,6 +437,10 @@ def _speed_model(rows, model, policies) -> str:
         ev_txt = f", evictions {e['eviction_s']:.1f} s in all" if "eviction_s" in e else ""
         if e.get("guided_evictions"):
             ev_txt += f", {e['guided_evictions']} guided by the prompt's end ({e['guide_s']:.1f} s)"
+        if e.get("drafted_tokens"):
+            ev_txt += f", {e['drafted_tokens']} tokens drafted to score them"
+        if e.get("commit"):                  # the long rows of this model rerun alone, after the part's run
+            ev_txt += f"; rerun alone with the full cache's row at commit `{e['commit']}`"
         s.append(f"- {e['tokens']} tokens through {e['kv_cells']} cells, {pol} ({e.get('evictions', 0)} evictions"
                  f"{ev_txt}): KV allocated {e['kv_bytes_allocated'] / mib:.1f} MiB vs "
                  f"{p['kv_bytes_allocated'] / mib:.1f} MiB for the full cache "
@@ -873,6 +877,7 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
         per_run = all(x.get("threads") for x in runs) and len({x["threads"] for x in runs}) > 1   # runs differ
         cover.append(f"{k}: " + " + ".join(f"{x['mode']} mode, commit `{x['commit']}`, {x['date']}"
                                             + (f", {', '.join(x['models'])}" if x.get("models") else "")
+                                            + (f" ({x['rows']} rows only)" if x.get("rows") else "")
                                             + (f", {x['threads']} thread(s)" if per_run else "")
                                             for x in runs)
                      + ("" if per_run else f", {th} threads for every system" if th else

@@ -182,6 +182,13 @@ def test_a_long_prompt_leaves_room_for_the_drafts_its_evictions_are_scored_with(
     assert rep["evictions"] >= 4 and rep["guided_evictions"] == rep["evictions"] - 1
     assert rep["drafted_tokens"] == 8 + guide_draft * rep["guided_evictions"]
     assert llm.n_tokens == 1000 and ek.geometry(llm).pos_max == 999 and rep["kept_tokens"] == 64
+    for n in range(900, 1000, 7):                         # wherever the last pieces fall, every eviction between
+        llm.reset()                                       # pieces is guided and drafts (none runs on stale scores)
+        before = llm.kv_report()
+        llm.eval(toks[:n])
+        rep = llm.kv_report()
+        ev, guided = (rep[k] - before[k] for k in ("evictions", "guided_evictions"))
+        assert guided == ev - 1 and rep["drafted_tokens"] - before["drafted_tokens"] == 8 + guide_draft * guided, n
     fits = ek.EntroKVLlama(model, n_ctx=256, **cfg)       # a prompt the cache holds: read in one piece, as before
     fits.eval(toks[:180])
     assert fits.kv_report()["evictions"] == 1 and fits.kv_report()["guided_evictions"] == 0
