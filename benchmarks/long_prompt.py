@@ -108,16 +108,18 @@ def _answer(llm, n: int, stop) -> str:
 class RowLog:
     """Rows written one per line as they are made (``path``; None: kept in memory only), so a run of
     hours that stops keeps what it did, and a rerun reuses it: the full cache's rows (a plain llama.cpp
-    cache, independent of this package's code) from any commit, the others from the same commit."""
+    cache, independent of this package's code) from any commit, the others from the same commit or
+    one of ``also`` (commits whose code for those rows the caller knows to be the same; each row keeps
+    the commit it was made at)."""
 
-    def __init__(self, path: str | None, commit: str):
-        self.path, self.commit, self.rows = path, commit, []
+    def __init__(self, path: str | None, commit: str, also=()):
+        self.path, self.commits, self.rows = path, {commit, *also}, []
         if path and Path(path).exists():
             self.rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
     def find(self, key: dict) -> dict | None:
         for r in reversed(self.rows):
-            if all(r.get(k) == v for k, v in key.items()) and (r["config"] == "full" or r["commit"] == self.commit):
+            if all(r.get(k) == v for k, v in key.items()) and (r["config"] == "full" or r["commit"] in self.commits):
                 return r
         return None
 
@@ -130,10 +132,10 @@ class RowLog:
 
 
 def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, commit: str, log=print,
-                row_log: str | None = None) -> list[dict]:
+                row_log: str | None = None, reuse_from=()) -> list[dict]:
     import hashlib
     sp = SPLITS[split]
-    book, rows = RowLog(row_log, commit), []
+    book, rows = RowLog(row_log, commit, reuse_from), []
     for model in models:
         fits = [n for n in lengths if n <= H.train_context(model)]
         if not fits:
@@ -258,6 +260,9 @@ def main(argv=None) -> int:
                     help="none: the full cache's rows only")
     ap.add_argument("--row-log", help="needle rows, one JSON line each as they are made; a rerun with the same "
                     "file reuses them (the full cache's from any commit, the others from the same commit)")
+    ap.add_argument("--reuse-from", nargs="+", default=[], metavar="COMMIT",
+                    help="with --row-log: also reuse the rows these commits made (only where their code for those "
+                    "configs is this checkout's; the rows keep their commit)")
     ap.add_argument("--out", default=str(HERE / "results" / "long_prompt.json"))
     args = ap.parse_args(argv)
     g = QUICK if args.quick else FULL
@@ -271,7 +276,8 @@ def main(argv=None) -> int:
     if "needle" in parts:
         rows += [{"part": "needle", **r} for r in needle_rows(
             args.models, args.split, args.lengths or g["lengths"], args.cells or g["cells"],
-            {k: CONFIGS[k] for k in args.configs}, g["max_answer"], commit, row_log=args.row_log)]
+            {k: CONFIGS[k] for k in args.configs}, g["max_answer"], commit, row_log=args.row_log,
+            reuse_from=args.reuse_from)]
     f = fidelity.QUICK if args.quick else fidelity.FULL
     if "fidelity" in parts:
         rows += [{"part": "fidelity", "split": "fidelity", **r} for r in fidelity_rows(
