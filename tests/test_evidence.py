@@ -330,3 +330,23 @@ def test_the_parts_line_names_each_runs_threads_where_they_differ(tmp_path):
     report.write(tmp_path, tmp_path / "R.md")
     line = next(l for l in (tmp_path / "R.md").read_text().splitlines() if l.startswith("Parts:"))
     assert f"`{runs[0]['commit']}`" in line and "2 thread(s) + " in line and line.endswith("1 thread(s).")
+
+
+def test_a_row_log_reuses_the_full_caches_rows_from_any_commit_and_the_others_only_from_named_ones(tmp_path):
+    """long_prompt.py's row log: a rerun at another commit reuses the full cache's rows, and the
+    others only from its own commit or one given with --reuse-from; every row keeps its commit."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import long_prompt
+    path = tmp_path / "rows.jsonl"
+    first = long_prompt.RowLog(str(path), "a")
+    key = {"model": "m", "depth": 15}
+    first.add({**key, "config": "full", "commit": "a", "correct": True})
+    first.add({**key, "config": "piecewise", "cells": 1024, "commit": "a", "correct": False})
+    later = long_prompt.RowLog(str(path), "b")
+    assert later.find({**key, "config": "full"})["commit"] == "a"
+    assert later.find({**key, "config": "piecewise", "cells": 1024}) is None
+    named = long_prompt.RowLog(str(path), "b", also=["a"])
+    assert named.find({**key, "config": "piecewise", "cells": 1024})["commit"] == "a"
+    assert named.find({**key, "config": "piecewise", "cells": 2048}) is None
+    named.add({**key, "config": "guided", "cells": 1024, "commit": "b", "correct": True})
+    assert [r["commit"] for r in long_prompt.RowLog(str(path), "c").rows] == ["a", "a", "b"]
