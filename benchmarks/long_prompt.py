@@ -259,12 +259,14 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=["piecewise", "guided"],
                     help="none: the full cache's rows only")
     ap.add_argument("--row-log", help="needle rows, one JSON line each as they are made; a rerun with the same "
-                    "file reuses them (the full cache's from any commit, the others from the same commit)")
+                    "file reuses them (the full cache's from any commit, the others from the same commit or --reuse-from's)")
     ap.add_argument("--reuse-from", nargs="+", default=[], metavar="COMMIT",
                     help="with --row-log: also reuse the rows these commits made (only where their code for those "
                     "configs is this checkout's; the rows keep their commit)")
     ap.add_argument("--out", default=str(HERE / "results" / "long_prompt.json"))
     args = ap.parse_args(argv)
+    if args.reuse_from and not args.row_log:
+        ap.error("--reuse-from takes its rows from a --row-log file")
     g = QUICK if args.quick else FULL
     parts = [p for p in args.parts.split(",") if p]
     if set(parts) - {"needle", "fidelity", "fidelity-tune"}:
