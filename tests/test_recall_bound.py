@@ -27,7 +27,7 @@ def make_store(scorer_page=4):
     return Store(resident, q, k, np.array([0, 0]), np.array([0, 1]), n, r, 1 / np.sqrt(d), scorer_page, protected)
 
 
-@pytest.mark.parametrize("scorer", ["exact", "digest"])
+@pytest.mark.parametrize("scorer", ["exact", "digest", "shortlist"])
 def test_a_page_the_queries_look_for_comes_back_in_place_of_the_least_attended(scorer):
     st = make_store()
     before = st.resident.copy()
@@ -47,3 +47,24 @@ def test_nothing_is_recalled_when_no_page_beats_what_it_would_replace():
     before = st.resident.copy()
     st.recall(np.arange(64, 68), n_pages=4, scorer="exact")
     assert np.array_equal(st.resident, before) and st.recalled == 0
+
+
+def test_the_shortlist_recalls_the_page_the_queries_attend_where_the_loose_bound_would_not():
+    """Page 11 (tokens 44-47) spreads its keys over channels 0 and 1 (+-2, never both): the
+    min/max bound of a query on both channels is twice page 10's, each key's own score zero. Page 10's keys
+    are what the queries attend. With N = 1 the digest recalls page 11; the shortlist reads both
+    (2 x N pages) and recalls page 10."""
+    st = make_store()
+    st.k[0][44:48, 1] = 0.0
+    st.k[0][44:48:2, 1, 0], st.k[0][44:48:2, 1, 1] = 2.0, -2.0
+    st.k[0][45:48:2, 1, 0], st.k[0][45:48:2, 1, 1] = -2.0, 2.0
+    st.k[0][40:44, 1, :2] = 1.0
+    st.q[0][64:, 2:4, :2] = 2.0
+    digest, short = make_store(), make_store(scorer_page=4)
+    for s in (digest, short):
+        s.k, s.q = st.k, st.q
+    short.shortlist = 2
+    digest.recall(np.arange(64, 68), n_pages=1, scorer="digest")
+    short.recall(np.arange(64, 68), n_pages=1, scorer="shortlist")
+    assert set(range(44, 48)) <= set(digest.resident[1]) and not set(range(40, 44)) & set(digest.resident[1])
+    assert set(range(40, 44)) <= set(short.resident[1]) and not set(range(44, 48)) & set(short.resident[1])

@@ -1,8 +1,9 @@
 """Issue 23, stage 1: what a recall tier for evicted pages could reach, simulated before any
 native work.
 
-    python benchmarks/research/recall_bound.py [--quick] [--models ...] [--ks 1 4 16] [--ns 1 4 16]
-        [--store-page 16] [--out benchmarks/results/recall_bound.json]
+    python benchmarks/research/recall_bound.py [--quick] [--models ...] [--split tune|heldout|all]
+        [--scorers exact digest shortlist] [--ks 1 4 16] [--ns 1 4 16] [--store-pages 16]
+        [--shortlists 4] [--out benchmarks/results/recall_bound.json]
 
 The question after the eviction (the fidelity judge's "after" placement, and needle prompts
 with the question after the document): the document is prefilled and evicted to 20% with
@@ -26,6 +27,10 @@ budget (UOR = 1). Two scores, from the queries just named:
           lse the log-sum-exp of that query over the resident keys (what the attention over the
           cache gives), times the page's evicted tokens, capped at 1; a resident token scores
           its attention over the resident keys
+  shortlist  the digest's bound only ranks: the ``shortlist`` x N pages it ranks highest are read
+          from the store, and those pages and the resident tokens are scored by the queries'
+          exact attention over the resident keys and the read pages' (what a store can know by
+          reading shortlist x N pages per recall, not all of them); then as ``exact``
 The queries and keys are the model's own (llama.cpp's eval callback, Qcur/Kcur after RoPE,
 tests/reference.py), captured once per prompt on the full cache: the digest sees the queries
 the full cache would compute, slightly better than the ones an evicted cache computes.
@@ -73,10 +78,12 @@ import fidelity as F  # noqa: E402
 import niah  # noqa: E402
 from report import sign_test  # noqa: E402
 
-FULL = dict(length=2048, n_qa=6, n_code=6, depths=[10, 50, 90], tokens=64, budget=0.2, ks=[1, 4, 16], ns=[1, 4, 16],
-            store_page=16)
-QUICK = dict(length=512, n_qa=1, n_code=0, depths=[50], tokens=8, budget=0.2, ks=[4], ns=[2], store_page=16)
-SCORERS = ("exact", "digest")
+FULL = dict(length=2048, n_qa=6, n_code=6, depths=[10, 50, 90], heldout_depths=[30, 70], tokens=64, budget=0.2,
+            split="all", scorers=["exact", "digest"], ks=[1, 4, 16], ns=[1, 4, 16], store_pages=[16], shortlists=[4])
+QUICK = dict(length=512, n_qa=1, n_code=0, depths=[50], heldout_depths=[], tokens=8, budget=0.2, split="all",
+             scorers=["exact", "digest", "shortlist"], ks=[4], ns=[2], store_pages=[16], shortlists=[4])
+SCORERS = ("exact", "digest", "shortlist")
+SPLITS = ("tune", "heldout", "all")
 
 
 def capture(model: str, tokens: list[int]) -> tuple[dict, dict]:
@@ -107,10 +114,11 @@ class Store:
     ``resident`` [n_slots, budget]: sorted true positions (< n, the document) each slot holds."""
 
     def __init__(self, resident: np.ndarray, q: dict, k: dict, slot_layer: np.ndarray, slot_head: np.ndarray,
-                 n: int, r: int, scale: float, page: int, protected: np.ndarray):
+                 n: int, r: int, scale: float, page: int, protected: np.ndarray, shortlist: int = 4):
         self.resident, self.q, self.k = resident.copy(), q, k
         self.slot_layer, self.slot_head = slot_layer, slot_head
         self.n, self.r, self.scale, self.page = n, r, scale, page
+        self.shortlist = shortlist                       # pages read per recall: shortlist x N (scorer "shortlist")
         self.protected = protected                       # bool [n]: never displaced (sinks, recent)
         self.recalled = 0                                # tokens brought back, all slots together
 
@@ -150,6 +158,16 @@ class Store:
             bound = (np.maximum(q[:, :, None, :] * lo[None, None], q[:, :, None, :] * hi[None, None]).sum(-1)
                      * self.scale)                                                 # [I, r, P]
             page_score = np.minimum(1.0, counts[None, None, :] * np.exp(bound - lse_res[:, :, None])).sum(0).max(0)
+            if scorer == "shortlist":   # read the bound's top pages and score them and the resident exactly
+                short = np.argsort(-page_score, kind="stable")[: self.shortlist * n_pages]
+                read = np.zeros(top, dtype=bool)
+                for j in short:
+                    read[missing[starts[j]: starts[j] + counts[j]]] = True
+                seen = held | read                                                 # what the exact check sees
+                lse_seen = _lse(np.where(seen[None, None, :], logits, -np.inf))
+                tok = np.where(seen[None, None, :n], np.exp(logits[:, :, :n] - lse_seen[:, :, None]), 0.0).sum(0)
+                page_score = np.full(starts.size, -np.inf)
+                page_score[short] = np.add.reduceat(tok[:, missing], starts, axis=1).max(0)[short]
         res_score = tok.max(0)                                                     # [n] (0 where not resident)
         free = res & ~self.protected
         keep = res.copy()
@@ -159,7 +177,7 @@ class Store:
             if cand.size < toks.size:
                 break
             out = cand[np.argsort(res_score[cand], kind="stable")[: toks.size]]
-            if page_score[j] <= res_score[out].sum():
+            if not page_score[j] > res_score[out].sum():
                 break
             keep[out], keep[toks] = False, True
             free[out] = False                                                      # recalled: not displaced again
@@ -183,14 +201,37 @@ def _segment_logps(llm, snap: H.Snapshot, resident: np.ndarray, fed: list[int], 
 
 
 def prompts(llm, g: dict) -> list[H.Prompt]:
-    """QA, code and needle prompts, interleaved (a run cut short has some of each)."""
-    needles = []
-    for d in g["depths"]:
-        p = niah.needle_prompt(llm, g["length"], d)
-        p.meta.update(kind="needle", source=f"needle-{d}")
-        needles.append(p)
-    kinds = [F.qa_prompts(llm, g["n_qa"], g["length"]), F.code_prompts(llm, g["n_code"], g["length"]), needles]
-    return [ps[i] for i in range(max(map(len, kinds))) for ps in kinds if i < len(ps)]
+    """QA, code and needle prompts, interleaved (a run cut short has some of each). ``tune``: the
+    first half of the QA and code prompts and the needles at ``depths`` (the prompts the first run
+    read); ``heldout``: the other half and needles at ``heldout_depths`` in a haystack from the
+    next essay on; ``all``: both."""
+    def needles(depths, offset):
+        out = []
+        for d in depths:
+            p = niah.needle_prompt(llm, g["length"], d, offset)
+            p.meta.update(kind="needle", source=f"needle-{d}" + (f"-o{offset}" if offset else ""))
+            out.append(p)
+        return out
+    qa, code = F.qa_prompts(llm, g["n_qa"], g["length"]), F.code_prompts(llm, g["n_code"], g["length"])
+    kinds = []
+    if g["split"] in ("tune", "all"):
+        kinds.append([qa[: (len(qa) + 1) // 2], code[: (len(code) + 1) // 2], needles(g["depths"], 0)])
+    if g["split"] in ("heldout", "all"):
+        kinds.append([qa[(len(qa) + 1) // 2:], code[(len(code) + 1) // 2:], needles(g["heldout_depths"], 1)])
+    return [ps[i] for ks in kinds for i in range(max(map(len, ks))) for ps in ks if i < len(ps)]
+
+
+def configs(g: dict) -> list[tuple[str, str, int, int, int, int]]:
+    """(name, scorer, k, N, store page, shortlist factor) of every recall schedule in ``g``."""
+    out = []
+    for scorer in g["scorers"]:
+        for page in g["store_pages"]:
+            for sl in (g["shortlists"] if scorer == "shortlist" else [0]):
+                for kk in g["ks"]:
+                    for n_pages in g["ns"]:
+                        name = f"{scorer}{sl or ''} k{kk} N{n_pages}" + (f" p{page}" if page != 16 else "")
+                        out.append((name, scorer, kk, n_pages, page, sl))
+    return out
 
 
 def run(models, g: dict, log=print, done=None) -> list[dict]:
@@ -240,20 +281,18 @@ def run(models, g: dict, log=print, done=None) -> list[dict]:
             protected = np.zeros(n, dtype=bool)
             protected[: edge.sinks] = True
             protected[n - edge.rho:] = True
-            for scorer in SCORERS:
-                for kk in g["ks"]:
-                    for n_pages in g["ns"]:
-                        st = Store(resident0, q, k, slot_layer, slot_head, n, r, scale, g["store_page"], protected)
-                        lp = []
-                        for t0 in range(0, T, kk):
-                            if t0 == 0:      # the new turn: its observed window
-                                queries = n + np.arange(max(0, s - edge.window), s)
-                            else:            # the queries of the k tokens decoded since the last recall
-                                queries = n + s - 1 + np.arange(t0 - kk, t0)
-                            st.recall(queries, n_pages, scorer)
-                            lp += _segment_logps(llm, snap, st.resident, fed, s, t0, min(T, t0 + kk))
-                        row(f"{scorer} k{kk} N{n_pages}", lp, int(m["kept_tokens"]), scorer=scorer, k=kk, N=n_pages,
-                            recalled_per_step=st.recalled / len(st.resident) / T)
+            for name, scorer, kk, n_pages, page, sl in configs(g):
+                st = Store(resident0, q, k, slot_layer, slot_head, n, r, scale, page, protected, sl)
+                lp = []
+                for t0 in range(0, T, kk):
+                    if t0 == 0:      # the new turn: its observed window
+                        queries = n + np.arange(max(0, s - edge.window), s)
+                    else:            # the queries of the k tokens decoded since the last recall
+                        queries = n + s - 1 + np.arange(t0 - kk, t0)
+                    st.recall(queries, n_pages, scorer)
+                    lp += _segment_logps(llm, snap, st.resident, fed, s, t0, min(T, t0 + kk))
+                row(name, lp, int(m["kept_tokens"]), scorer=scorer, k=kk, N=n_pages, store_page=page,
+                    shortlist=sl, recalled_per_step=st.recalled / len(st.resident) / T)
             log(f"recall {model} {p.meta['kind']} {p.meta['source']}: {time.perf_counter() - t_p:.0f} s")
             if done is not None:
                 done(rows)
@@ -290,15 +329,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    ap.add_argument("--split", choices=SPLITS)
+    ap.add_argument("--scorers", nargs="+", choices=SCORERS)
     ap.add_argument("--ks", nargs="+", type=int)
     ap.add_argument("--ns", nargs="+", type=int)
-    ap.add_argument("--store-page", type=int)
+    ap.add_argument("--store-pages", nargs="+", type=int)
+    ap.add_argument("--shortlists", nargs="+", type=int, help="pages the shortlist reads per recall, in units of N")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "recall_bound.json"))
     args = ap.parse_args(argv)
     g = dict(QUICK if args.quick else FULL)
-    for key, v in (("ks", args.ks), ("ns", args.ns), ("store_page", args.store_page)):
+    for key in ("split", "scorers", "ks", "ns", "store_pages", "shortlists"):
+        v = getattr(args, key)
         if v is not None:
-            if min(v if isinstance(v, list) else [v]) < 1:
+            if key not in ("split", "scorers") and min(v) < 1:
                 ap.error(f"--{key.replace('_', '-')} must be at least 1")
             g[key] = v
     commit, t0 = evidence.commit_id(), time.perf_counter()
