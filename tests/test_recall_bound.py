@@ -68,3 +68,22 @@ def test_the_shortlist_recalls_the_page_the_queries_attend_where_the_loose_bound
     short.recall(np.arange(64, 68), n_pages=1, scorer="shortlist")
     assert set(range(44, 48)) <= set(digest.resident[1]) and not set(range(40, 44)) & set(digest.resident[1])
     assert set(range(40, 44)) <= set(short.resident[1]) and not set(range(44, 48)) & set(short.resident[1])
+
+
+def test_merged_runs_keep_one_row_per_prompt_and_configuration_and_summarize_each_split_apart():
+    from recall_bound import merge, summary
+    row = lambda split, config, source, kl: {"model": "m", "split": split, "config": config, "source": source,  # noqa: E731
+                                             "kind": "qa", "kl_mean": kl, "agreement": 1.0, "kept": True,
+                                             "full_right": None}
+    first = [row("tune", "no recall", "a", 0.5), row("tune", "head-independent", "a", 0.4),
+             row("tune", "shortlist4 k4 N4", "a", 0.3)]
+    first[0].pop("split")                                  # the first run's rows had no split: tune
+    later = [row("tune", "no recall", "a", 0.6), row("heldout", "no recall", "b", 0.1),
+             row("heldout", "shortlist4 k4 N4", "b", 0.2)]
+    rows = merge(first, later)
+    assert len(rows) == 5
+    s = {(x["split"], x["config"]): x for x in summary(rows)}
+    assert s["tune", "no recall"]["kl_mean"] == 0.6                             # the later run's row
+    assert s["tune", "shortlist4 k4 N4"]["vs no recall"]["wins"] == 1
+    assert s["heldout", "shortlist4 k4 N4"]["vs no recall"] == {"wins": 0, "losses": 1, "p": 1.0}
+    assert s["heldout", "no recall"]["prompts"] == 1 and ("heldout", "head-independent") not in s
