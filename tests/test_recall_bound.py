@@ -27,7 +27,7 @@ def make_store(scorer_page=4):
     return Store(resident, q, k, np.array([0, 0]), np.array([0, 1]), n, r, 1 / np.sqrt(d), scorer_page, protected)
 
 
-@pytest.mark.parametrize("scorer", ["exact", "digest", "shortlist"])
+@pytest.mark.parametrize("scorer", ["exact", "digest", "shortlist", "centroid"])
 def test_a_page_the_queries_look_for_comes_back_in_place_of_the_least_attended(scorer):
     st = make_store()
     before = st.resident.copy()
