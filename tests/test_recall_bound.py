@@ -87,3 +87,25 @@ def test_merged_runs_keep_one_row_per_prompt_and_configuration_and_summarize_eac
     assert s["tune", "shortlist4 k4 N4"]["vs no recall"]["wins"] == 1
     assert s["heldout", "shortlist4 k4 N4"]["vs no recall"] == {"wins": 0, "losses": 1, "p": 1.0}
     assert s["heldout", "no recall"]["prompts"] == 1 and ("heldout", "head-independent") not in s
+
+
+def test_the_digest_capture_is_one_for_a_digest_that_ranks_as_the_exact_scores_and_less_for_a_loose_bound():
+    """recall_digest.capture_ratios on constructed keys: page 10 (tokens 40-43) holds what the
+    queries look for, page 11 (44-47) spreads its keys over two channels (+-2, never both), so
+    the min/max bound ranks it first while its keys score nothing. At M = 1 the page mean key
+    picks page 10 (capture 1); min/max picks page 11 (capture well below 1)."""
+    from recall_digest import capture_ratios
+    rng = np.random.default_rng(1)
+    n, s, T, d, r = 64, 4, 5, 8, 2
+    k = rng.normal(0, 0.1, (n + s + T - 1, 1, d)).astype(np.float32)
+    q = rng.normal(0, 0.1, (n + s + T - 1, r, d)).astype(np.float32)
+    k[40:44, 0, :2] = 1.0
+    k[44:48, 0, :2] = 0.0
+    k[44:48:2, 0, 0], k[44:48:2, 0, 1] = 2.0, -2.0
+    k[45:48:2, 0, 0], k[45:48:2, 0, 1] = -2.0, 2.0
+    q[n:, :, :2] = 2.0
+    a = {"q": {0: q}, "k": {0: k}, "resident": np.array([np.r_[0:4, 8:28, 56:64]]), "n": n, "s": s, "T": T,
+         "slot_layer": np.array([0]), "slot_head": np.array([0])}
+    cr = capture_ratios(a, window=4, k=4, page=4, ms=[1])
+    assert cr["centroid"][1] == 1.0 and cr["reps2"][1] <= 1.0
+    assert cr["minmax"][1] < 0.6
