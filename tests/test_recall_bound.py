@@ -109,3 +109,21 @@ def test_the_digest_capture_is_one_for_a_digest_that_ranks_as_the_exact_scores_a
     cr = capture_ratios(a, window=4, k=4, page=4, ms=[1])
     assert cr["centroid"][1] == 1.0 and cr["reps2"][1] <= 1.0
     assert cr["minmax"][1] < 0.6
+
+
+def test_the_decision_takes_the_cheapest_schedule_near_the_lowest_kl_under_the_read_cap():
+    from recall_bound import decide
+    vs = lambda w, lo: {"wins": w, "losses": lo, "p": 1.0}  # noqa: E731
+    item = lambda config, kl, w=3, lo=1: {"model": "m", "split": "heldout", "config": config, "kl_mean": kl,  # noqa: E731
+                                          "vs head-independent": vs(0, 0), "vs no recall": vs(w, lo)}
+    summ = [item("head-independent", 0.30), item("no recall", 0.50, 0, 0),
+            item("centroid2 k4 N16", 0.01),          # reads 32 pages: over the cap, not a candidate
+            item("centroid2 k4 N8", 0.100), item("centroid2 k16 N8", 0.109), item("centroid2 k16 N4", 0.111),
+            item("centroid2 k16 N2", 0.2), item("centroid1 k64 N1", 0.001)]   # another family
+    d = decide(summ, "centroid2", cap=16)["m"]
+    assert (d["config"], d["k"], d["N"], d["passes"]) == ("centroid2 k16 N8", 16, 8, True)
+    summ[4] = item("centroid2 k16 N8", 0.109, w=2, lo=2)                     # as many losses as wins
+    assert decide(summ, "centroid2", cap=16)["m"]["passes"] is False
+    summ[0] = item("head-independent", 0.105)                                # below the chosen KL
+    summ[4] = item("centroid2 k16 N8", 0.109)
+    assert decide(summ, "centroid2", cap=16)["m"]["passes"] is False

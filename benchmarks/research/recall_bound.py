@@ -87,6 +87,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,7 @@ QUICK = dict(length=512, n_qa=1, n_code=0, depths=[50], heldout_depths=[], token
              scorers=["exact", "digest", "shortlist"], ks=[4], ns=[2], store_pages=[16], shortlists=[4])
 SCORERS = ("exact", "digest", "shortlist", "centroid")
 SPLITS = ("tune", "heldout", "all")
+DECIDE = dict(family="centroid1", cap=25)        # round 3's choice on the tune split, and its read cap
 
 
 def capture(model: str, tokens: list[int]) -> tuple[dict, dict]:
@@ -375,6 +377,36 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def decide(summ: list[dict], family: str, cap: int, split: str = "heldout") -> dict[str, dict]:
+    """The docstring's rule on ``split``'s summary, per model: among ``family``'s schedules that
+    read at most ``cap`` pages per recall (shortlist factor x N; N for the plain digest), those
+    within 10% of the lowest mean KL, the largest k, then the smallest N. It passes if its mean
+    KL is below head-independent eviction's and it has more paired KL wins than losses against
+    no recall."""
+    out = {}
+    for model in sorted({x["model"] for x in summ if x["split"] == split}):
+        items = {x["config"]: x for x in summ if x["model"] == model and x["split"] == split}
+        cands = []
+        for name, x in items.items():
+            m = re.fullmatch(rf"{re.escape(family)} k(\d+) N(\d+)", name)
+            if m:
+                factor = int(re.sub(r"\D", "", family) or 1)
+                kk, n_pages = int(m.group(1)), int(m.group(2))
+                if factor * n_pages <= cap:
+                    cands.append((kk, n_pages, x))
+        hi = items.get("head-independent")
+        if not cands or hi is None:
+            continue
+        low = min(x["kl_mean"] for _, _, x in cands)
+        kk, n_pages, x = max((c for c in cands if c[2]["kl_mean"] <= 1.1 * low), key=lambda c: (c[0], -c[1]))
+        vs = x["vs no recall"]
+        out[model] = {"config": x["config"], "k": kk, "N": n_pages, "kl_mean": x["kl_mean"],
+                      "head_independent_kl": hi["kl_mean"], "no_recall_kl": items["no recall"]["kl_mean"],
+                      "vs head-independent": x["vs head-independent"], "vs no recall": vs,
+                      "passes": bool(x["kl_mean"] < hi["kl_mean"] and vs["wins"] > vs["losses"])}
+    return out
+
+
 def main(argv=None) -> int:
     import evidence
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -433,6 +465,10 @@ def main(argv=None) -> int:
               f"{x['vs head-independent']['wins']}-{x['vs head-independent']['losses']} "
               f"(p {x['vs head-independent']['p']:.3g})  vs no recall {x['vs no recall']['wins']}-"
               f"{x['vs no recall']['losses']}")
+    for model, d in decide(summary(rows), DECIDE["family"], DECIDE["cap"]).items():
+        print(f"decision {model}: {d['config']} KL {d['kl_mean']:.4f} (head-independent {d['head_independent_kl']:.4f}, "
+              f"no recall {d['no_recall_kl']:.4f}; vs no recall {d['vs no recall']['wins']}-"
+              f"{d['vs no recall']['losses']}): {'passes' if d['passes'] else 'does not pass'}")
     return 0
 
 
