@@ -127,3 +127,14 @@ def test_the_decision_takes_the_cheapest_schedule_near_the_lowest_kl_under_the_r
     summ[0] = item("head-independent", 0.105)                                # below the chosen KL
     summ[4] = item("centroid2 k16 N8", 0.109)
     assert decide(summ, "centroid2", cap=16)["m"]["passes"] is False
+
+
+@pytest.mark.parametrize("args, says", [(["--shard", "2/2"], "--shard takes I/N"), (["--shard", "x"], "--shard takes I/N"),
+                                        (["--ns", "0"], "--ns must be at least 1"),
+                                        (["--merge", "missing.json"], "--merge:")])
+def test_bad_options_are_refused_before_anything_runs_or_is_written(tmp_path, args, says):
+    import subprocess
+    out = tmp_path / "out.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "research" / "recall_bound.py"), *args,
+                        "--out", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and says in r.stderr and not out.exists()
