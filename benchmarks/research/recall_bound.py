@@ -401,7 +401,7 @@ def decide(summ: list[dict], family: str, cap: int, split: str = "heldout") -> d
                 if factor * n_pages <= cap:
                     cands.append((kk, n_pages, x))
         hi = items.get("head-independent")
-        if not cands or hi is None:
+        if not cands or hi is None or "no recall" not in items:
             continue
         low = min(x["kl_mean"] for _, _, x in cands)
         kk, n_pages, x = max((c for c in cands if c[2]["kl_mean"] <= 1.1 * low), key=lambda c: (c[0], -c[1]))
