@@ -2,8 +2,9 @@
 native work.
 
     python benchmarks/research/recall_bound.py [--quick] [--models ...] [--split tune|heldout|all] [--length 2048]
-        [--scorers exact digest shortlist] [--ks 1 4 16] [--ns 1 4 16] [--store-pages 16]
+        [--scorers exact digest shortlist centroid] [--ks 1 4 16] [--ns 1 4 16] [--store-pages 16]
         [--shortlists 4] [--shard I/N] [--out benchmarks/results/recall_bound.json]
+    python benchmarks/research/recall_bound.py --merge A.json B.json ... --out benchmarks/results/recall_bound.json
 
 The question after the eviction (the fidelity judge's "after" placement, and needle prompts
 with the question after the document): the document is prefilled and evicted to 20% with
@@ -17,7 +18,7 @@ answer steps (the queries of the k tokens decoded since), each (layer, KV head) 
 store's pages and recalls up to N of them; each recalled page replaces as many resident
 tokens, those that now score lowest (never the sinks nor the document's recent tokens), and
 only where the page scores higher than what it replaces. Every buffer keeps exactly its
-budget (UOR = 1). Two scores, from the queries just named:
+budget (UOR = 1). The scores (``--scorers``), from the queries just named:
   exact   their attention over every key, evicted or not (the bound: what no store can know
           without reading its pages); a page scores the attention mass on its evicted
           tokens, a resident token its own, each the max over the group's query heads of the
