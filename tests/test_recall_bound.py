@@ -60,7 +60,7 @@ def test_the_shortlist_recalls_the_page_the_queries_attend_where_the_loose_bound
     st.k[0][45:48:2, 1, 0], st.k[0][45:48:2, 1, 1] = -2.0, 2.0
     st.k[0][40:44, 1, :2] = 1.0
     st.q[0][64:, 2:4, :2] = 2.0
-    digest, short = make_store(), make_store(scorer_page=4)
+    digest, short = make_store(), make_store()
     for s in (digest, short):
         s.k, s.q = st.k, st.q
     short.shortlist = 2

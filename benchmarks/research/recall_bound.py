@@ -144,6 +144,35 @@ def _lse(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return (m + np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))).squeeze(axis)
 
 
+def page_runs(missing: np.ndarray, page: int) -> tuple[np.ndarray, np.ndarray]:
+    """The store's pages: for the sorted evicted positions ``missing``, where each page's run
+    starts in it and how many tokens the run holds."""
+    pages = missing // page
+    starts = np.flatnonzero(np.r_[True, pages[1:] != pages[:-1]])
+    return starts, np.diff(np.r_[starts, missing.size])
+
+
+def page_logits(kind: str, q: np.ndarray, km: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                scale: float) -> np.ndarray:
+    """[I, r, P] a page digest's score (logit units) for queries q [I, r, d] over the pages' keys
+    km (runs at ``starts``): "minmax", Quest's bound sum_c max(q_c min_c, q_c max_c); "centroid",
+    q . the page's mean key."""
+    if kind == "minmax":
+        lo, hi = np.minimum.reduceat(km, starts, axis=0), np.maximum.reduceat(km, starts, axis=0)   # [P, d]
+        return np.maximum(q[:, :, None, :] * lo, q[:, :, None, :] * hi).sum(-1) * scale
+    if kind == "centroid":
+        return np.einsum("ird,pd->irp", q, np.add.reduceat(km, starts, axis=0) / counts[:, None]) * scale
+    raise ValueError(kind)
+
+
+def page_mass(b: np.ndarray, counts: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """[P] attention mass a digest gives each page: count x exp(score - lse), at most 1 per query
+    (lse [I, r]: each query's log-sum-exp over the cache), summed over the queries, the max over
+    the group's heads."""
+    with np.errstate(over="ignore"):        # a loose bound overflows: capped at 1
+        return np.minimum(1.0, counts * np.exp(b - lse[:, :, None])).sum(0).max(0)
+
+
 class Store:
     """The resident set of every (layer, KV head) slot and the recall over the others.
 
@@ -183,21 +212,13 @@ class Store:
         missing = np.flatnonzero(~res)
         if missing.size == 0:
             return self.resident[s]
-        pages = missing // self.page
-        starts = np.flatnonzero(np.r_[True, pages[1:] != pages[:-1]])
-        counts = np.diff(np.r_[starts, missing.size])
+        starts, counts = page_runs(missing, self.page)
         if scorer == "exact":
             page_score = np.add.reduceat(tok[:, missing], starts, axis=1).max(0)   # [n_pages]
-        else:
-            km = kk[missing]
-            if scorer == "centroid":    # the page's mean key: an estimate of q.k, not a bound
-                mu = np.add.reduceat(km, starts, axis=0) / counts[:, None]
-                bound = np.einsum("ird,pd->irp", q, mu) * self.scale
-            else:
-                lo, hi = np.minimum.reduceat(km, starts, axis=0), np.maximum.reduceat(km, starts, axis=0)   # [P, d]
-                bound = (np.maximum(q[:, :, None, :] * lo[None, None], q[:, :, None, :] * hi[None, None]).sum(-1)
-                         * self.scale)                                             # [I, r, P]
-            page_score = np.minimum(1.0, counts[None, None, :] * np.exp(bound - lse_res[:, :, None])).sum(0).max(0)
+        else:                           # the mean key is an estimate of q.k, min/max a bound
+            bound = page_logits("centroid" if scorer == "centroid" else "minmax", q, kk[missing], starts, counts,
+                                self.scale)
+            page_score = page_mass(bound, counts, lse_res)
             if scorer in ("shortlist", "centroid"):   # read the top pages, score them and the resident exactly
                 short = np.argsort(-page_score, kind="stable")[: self.shortlist * n_pages]
                 read = np.zeros(top, dtype=bool)
@@ -394,10 +415,10 @@ def decide(summ: list[dict], family: str, cap: int, split: str = "heldout") -> d
     for model in sorted({x["model"] for x in summ if x["split"] == split}):
         items = {x["config"]: x for x in summ if x["model"] == model and x["split"] == split}
         cands = []
+        factor = int(re.sub(r"\D", "", family) or 1)
         for name, x in items.items():
             m = re.fullmatch(rf"{re.escape(family)} k(\d+) N(\d+)", name)
             if m:
-                factor = int(re.sub(r"\D", "", family) or 1)
                 kk, n_pages = int(m.group(1)), int(m.group(2))
                 if factor * n_pages <= cap:
                     cands.append((kk, n_pages, x))

@@ -53,10 +53,6 @@ DIGESTS = ("minmax", "centroid", "ball", "reps2", "sparq16")
 G = dict(RB.FULL, split="tune", k=4, page=16, ms=[4, 16])
 
 
-def _lse(x, axis=-1):
-    return RB._lse(x, axis)
-
-
 def capture_prompt(llm, model: str, p: H.Prompt, g: dict) -> dict:
     """The arrays one prompt needs: q, k per layer, the resident set after the eviction, n, s."""
     snap = H.prefill(llm, p)["after"]
@@ -72,27 +68,20 @@ def capture_prompt(llm, model: str, p: H.Prompt, g: dict) -> dict:
             "slot_layer": geo.slot_layers(), "slot_head": geo.slot_heads()}
 
 
-def digest_scores(name: str, q: np.ndarray, kk: np.ndarray, missing: np.ndarray, starts: np.ndarray,
-                  counts: np.ndarray, obs: np.ndarray, scale: float) -> np.ndarray:
-    """[I, r, P] scores (logit units) of the store's pages for queries q [I, r, d]; kk [T, d] the
-    slot's keys, ``missing`` the evicted positions (page runs at ``starts``), ``obs`` [T] the
-    eviction's observed attention of each key."""
-    km = kk[missing]
-    if name == "minmax":
-        lo, hi = np.minimum.reduceat(km, starts, axis=0), np.maximum.reduceat(km, starts, axis=0)
-        return np.maximum(q[:, :, None, :] * lo, q[:, :, None, :] * hi).sum(-1) * scale
-    mu = np.add.reduceat(km, starts, axis=0) / counts[:, None]
-    if name == "centroid":
-        return np.einsum("ird,pd->irp", q, mu) * scale
+def digest_scores(name: str, q: np.ndarray, km: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                  reps: np.ndarray, scale: float) -> np.ndarray:
+    """[I, r, P] scores (logit units) of the store's pages for queries q [I, r, d]; km the evicted
+    keys in position order (page runs at ``starts``), ``reps`` [P, 2] each page's two keys the
+    eviction's window attended most (indices into km)."""
+    if name in ("minmax", "centroid"):
+        return RB.page_logits(name, q, km, starts, counts, scale)
     if name == "ball":
+        mu = np.add.reduceat(km, starts, axis=0) / counts[:, None]
         page_of = np.repeat(np.arange(starts.size), counts)
         rad = np.zeros(starts.size)
         np.maximum.at(rad, page_of, np.linalg.norm(km - mu[page_of], axis=1))
         return (np.einsum("ird,pd->irp", q, mu) + np.linalg.norm(q, axis=-1)[:, :, None] * rad) * scale
     if name == "reps2":
-        ob = obs[missing]
-        reps = np.array([[a + j for j in np.argsort(-ob[a:a + c], kind="stable")[:2]] * (2 // min(c, 2))
-                         for a, c in zip(starts, counts)])                                # [P, 2]
         return np.einsum("ird,pjd->irpj", q, km[reps]).max(-1) * scale
     if name == "sparq16":
         idx = np.argsort(-np.abs(q), axis=-1)[..., :16]                                  # [I, r, 16]
@@ -120,30 +109,29 @@ def capture_ratios(a: dict, window: int, k: int, page: int, ms: list[int]) -> di
         missing = np.flatnonzero(~res)
         if missing.size == 0:
             continue
-        pg = missing // page
-        starts = np.flatnonzero(np.r_[True, pg[1:] != pg[:-1]])
-        counts = np.diff(np.r_[starts, missing.size])
+        starts, counts = RB.page_runs(missing, page)
+        km = kk[missing]
         qo = q[il][obs_q][:, g * r:(g + 1) * r].astype(np.float64)
         lo = np.einsum("ird,td->irt", qo, kk[:n]) * scale
         lo = np.where(np.arange(n)[None, None, :] <= obs_q[:, None, None], lo, -np.inf)
-        obs = np.exp(lo - _lse(lo)[:, :, None]).sum(0).max(0)                            # [n]
+        ob = np.exp(lo - RB._lse(lo)[:, :, None]).sum(0).max(0)[missing]                # the eviction's view
+        reps = np.array([[a + j for j in np.argsort(-ob[a:a + c], kind="stable")[:2]] * (2 // min(c, 2))
+                         for a, c in zip(starts, counts)])                                # [P, 2]
         for ev in events:
             qq = q[il][ev][:, g * r:(g + 1) * r].astype(np.float64)                     # [I, r, d]
             top = int(ev.max()) + 1
             logits = np.einsum("ird,td->irt", qq, kk[:top]) * scale
             logits = np.where(np.arange(top)[None, None, :] <= ev[:, None, None], logits, -np.inf)
-            p_all = np.exp(logits[:, :, missing] - _lse(logits)[:, :, None])
+            p_all = np.exp(logits[:, :, missing] - RB._lse(logits)[:, :, None])
             exact = np.add.reduceat(p_all, starts, axis=-1).sum(0).max(0)                # [P]
+            best = {m: np.sort(exact)[::-1][:m].sum() for m in ms}
             held = np.concatenate([res, np.ones(top - n, dtype=bool)])
-            lse_res = _lse(np.where(held[None, None, :], logits, -np.inf))               # [I, r]
+            lse_res = RB._lse(np.where(held[None, None, :], logits, -np.inf))            # [I, r]
             for d in DIGESTS:
-                b = digest_scores(d, qq, kk, missing, starts, counts, obs, scale)
-                with np.errstate(over="ignore"):      # a loose bound overflows: capped at 1 below
-                    score = np.minimum(1.0, counts * np.exp(b - lse_res[:, :, None])).sum(0).max(0)
+                score = RB.page_mass(digest_scores(d, qq, km, starts, counts, reps, scale), counts, lse_res)
                 for m in ms:
-                    best = np.sort(exact)[::-1][:m].sum()
-                    if best > 0:
-                        acc[d][m].append(exact[np.argsort(-score, kind="stable")[:m]].sum() / best)
+                    if best[m] > 0:
+                        acc[d][m].append(exact[np.argsort(-score, kind="stable")[:m]].sum() / best[m])
     return {d: {m: float(np.mean(v)) for m, v in acc[d].items()} for d in DIGESTS}
 
 
