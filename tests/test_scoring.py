@@ -31,6 +31,10 @@ def check_against_reference(path, toks, flash_attn, type_k, head_dim):
             ref = reference_scores(q, k, W, 1 / np.sqrt(head_dim))
             worst = max(worst, np.abs(s.scores[li, :, :T] - ref).max())
             assert np.abs(raw[0][li, :, T:]).max() < 1e-7            # empty cells get nothing
+            # the window's queries, scaled as attention scales them: q . k is the logit
+            qs = cc.captured[f"Qcur-{il}"][T - W:] / np.sqrt(head_dim)
+            assert s.queries.shape == (len(s.layer_ids), W) + qs.shape[1:]
+            assert np.abs(s.queries[li] - qs).max() <= 1e-6 * max(1.0, np.abs(qs).max())
         assert worst < 1e-4, worst
         return worst
     finally:

@@ -8,12 +8,14 @@ from .native import (
     evict_native,
     geometry,
     n_refused,
+    read_cells,
     restore,
     select_pages_native,
     set_last_logits,
     true_positions,
     used_cells,
     value_norms,
+    write_cells,
 )
 
 __all__ = [
@@ -25,10 +27,12 @@ __all__ = [
     "evict_native",
     "geometry",
     "n_refused",
+    "read_cells",
     "restore",
     "select_pages_native",
     "set_last_logits",
     "true_positions",
     "used_cells",
     "value_norms",
+    "write_cells",
 ]

@@ -232,6 +232,71 @@ def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0,
                                      ffi.from_buffer("int32_t[]", flat), flags))
 
 
+def _row_bytes(g: KVGeometry) -> tuple[np.ndarray, np.ndarray]:
+    """int64 [n_slots] each: bytes of one (slot, cell) row of K and of V (one KV head's slice)."""
+    k = np.concatenate([np.full(l.n_head_kv, l.k_bytes_per_cell // l.n_head_kv) for l in g.layers])
+    v = np.concatenate([np.full(l.n_head_kv, l.v_bytes_per_cell // l.n_head_kv) for l in g.layers])
+    return k.astype(np.int64), v.astype(np.int64)
+
+
+def _cell_lists(cells, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lens int32 [n_slots], the lists concatenated int32) from n_slots 1-D integer lists."""
+    rows = [np.asarray(r) for r in cells]
+    if len(rows) != n_slots:
+        raise ValueError(f"got {len(rows)} cell lists, the cache has {n_slots} (layer, KV head) slots")
+    for r in rows:
+        if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
+            raise TypeError("each cell list must be a 1-D array of integer cell indices")
+        _check_int32_range(r)
+    lens = np.array([r.size for r in rows], dtype=np.int32)
+    flat = np.concatenate(rows).astype(np.int32) if lens.sum() else np.zeros(1, np.int32)
+    return lens, np.ascontiguousarray(flat)
+
+
+def read_cells(llm, cells) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The rows of ``cells`` (n_slots lists of cell indices, one per (layer, KV head) slot):
+    (k, v), each a list of n_slots uint8 arrays [len, bytes per row]: the slot's K and V
+    slices of those cells, in the cache's own types (V in row form even when the cache
+    stores it transposed). Reads only."""
+    ffi, lib = _api()
+    g = geometry(llm)
+    lens, flat = _cell_lists(cells, g.n_slots)
+    kb, vb = _row_bytes(g)
+    k = np.empty(int((lens * kb).sum()), np.uint8)
+    v = np.empty(int((lens * vb).sum()), np.uint8)
+    _check(lib.llama_entrokv_read_cells(context_pointer(llm), g.n_slots, ffi.from_buffer("int32_t[]", lens),
+                                        ffi.from_buffer("int32_t[]", flat), ffi.from_buffer("char[]", k), k.size,
+                                        ffi.from_buffer("char[]", v), v.size))
+    ko, vo = np.cumsum(lens * kb)[:-1], np.cumsum(lens * vb)[:-1]
+    return ([a.reshape(n, r) for a, n, r in zip(np.split(k, ko), lens, kb)],
+            [a.reshape(n, r) for a, n, r in zip(np.split(v, vo), lens, vb)])
+
+
+def write_cells(llm, cells, true_pos, k, v) -> None:
+    """Write rows into compacted cells: for slot s, cell ``cells[s][j]`` receives the K and V
+    slices ``k[s][j]`` and ``v[s][j]`` (uint8 rows as ``read_cells`` gives them) and from
+    now on holds true position ``true_pos[s][j]`` for that slot. Refused (EntroKVError, the
+    cache untouched) unless every cell is a compacted cell, listed once, and every slot's
+    true positions stay distinct."""
+    ffi, lib = _api()
+    g = geometry(llm)
+    lens, flat = _cell_lists(cells, g.n_slots)
+    _, tp = _cell_lists(true_pos, g.n_slots)
+    if [len(np.asarray(t)) for t in true_pos] != lens.tolist():
+        raise ValueError("true_pos must have one position per listed cell")
+    kb, vb = _row_bytes(g)
+    kk = np.ascontiguousarray(np.concatenate([np.asarray(a, np.uint8).ravel() for a in k]) if len(k) else
+                              np.zeros(0, np.uint8))
+    vv = np.ascontiguousarray(np.concatenate([np.asarray(a, np.uint8).ravel() for a in v]) if len(v) else
+                              np.zeros(0, np.uint8))
+    if len(k) != g.n_slots or len(v) != g.n_slots:
+        raise ValueError(f"k and v must hold one row array per slot ({g.n_slots})")
+    _check(lib.llama_entrokv_write_cells(context_pointer(llm), g.n_slots, ffi.from_buffer("int32_t[]", lens),
+                                         ffi.from_buffer("int32_t[]", flat), ffi.from_buffer("int32_t[]", tp),
+                                         ffi.from_buffer("char[]", kk) if kk.size else ffi.NULL, kk.size,
+                                         ffi.from_buffer("char[]", vv) if vv.size else ffi.NULL, vv.size))
+
+
 def restore(llm, true_pos: np.ndarray) -> None:
     """After loading a saved state of a compacted cache: re-attach its true-position table,
     int32 [n_slots, n_keep] (what ``true_positions(llm)[:, :n_keep]`` was at save time)."""

@@ -28,6 +28,8 @@ class WindowScores:
               views inside the callback; float64 in copies, trimmed to the used cells)
     true_pos  int32   [n_slots, n_kv]: true position of each cell's token per (layer, KV head) slot
     layer_ids int32   [L]
+    queries   float32 [L, window, H, head_dim] or None: the window's queries as attention sees
+              them (RoPE applied, times the model's scale: q . k is the logit of a cached key k)
     """
 
     scores: np.ndarray
@@ -36,6 +38,7 @@ class WindowScores:
     window: int
     n_tokens: int
     pos_last: int
+    queries: np.ndarray | None = None
 
     @property
     def n_head_kv(self) -> int:
@@ -48,7 +51,8 @@ class WindowScores:
         used = np.flatnonzero((self.true_pos >= 0).any(axis=0))
         n = int(used[-1]) + 1 if used.size else 0
         return WindowScores(np.array(self.scores[:, :, :n], dtype=np.float64), self.true_pos[:, :n].copy(),
-                            self.layer_ids.copy(), self.window, self.n_tokens, self.pos_last)
+                            self.layer_ids.copy(), self.window, self.n_tokens, self.pos_last,
+                            None if self.queries is None else self.queries.copy())
 
 
 def head_slots(n_layers: int, n_head: int, n_head_kv: int) -> np.ndarray:
@@ -61,7 +65,11 @@ def _view(ffi, s) -> WindowScores:
     scores = np.frombuffer(ffi.buffer(s.scores, L * H * n_kv * 4), dtype=np.float32).reshape(L, H, n_kv)
     tpos = np.frombuffer(ffi.buffer(s.true_pos, ns * n_kv * 4), dtype=np.int32).reshape(ns, n_kv)
     ids = np.frombuffer(ffi.buffer(s.layer_ids, L * 4), dtype=np.int32)
-    return WindowScores(scores, tpos, ids, s.window, s.n_tokens, s.pos_last)
+    q = None
+    if s.head_dim > 0 and s.queries != ffi.NULL:
+        q = np.frombuffer(ffi.buffer(s.queries, L * s.window * H * s.head_dim * 4),
+                          dtype=np.float32).reshape(L, s.window, H, s.head_dim)
+    return WindowScores(scores, tpos, ids, s.window, s.n_tokens, s.pos_last, q)
 
 
 class Observation:

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LLAMA_ENTROKV_API_VERSION 2
+#define LLAMA_ENTROKV_API_VERSION 3
 
 enum llama_entrokv_status {
     LLAMA_ENTROKV_OK                  =   0,
@@ -129,6 +129,51 @@ LLAMA_API int32_t llama_entrokv_compact(
         uint32_t flags);
 
 //
+// Rows of single (slot, cell) pairs, for a store of evicted tokens outside the cache.
+// The row of (slot s, cell c) is K: head_dim_k elements of the cache's type_k (the key as
+// the cache holds it, RoPE applied at its true position), and V: head_dim_v elements of
+// type_v - the same form whether V is stored transposed or not, so that rows read from one
+// cache layout can be written into another. Bytes per row: the layer's k_bytes_per_cell /
+// n_head_kv and v_bytes_per_cell / n_head_kv. Rows are moved as bytes (exactly), with
+// ggml_backend_tensor_get/set, so any backend works; on host buffers that is a memcpy.
+// Quantized V stored transposed (flash attention off) is not supported.
+//
+//   lens  : [n_slots] rows per slot (0 allowed; slots may differ)
+//   cells : the slots' cell lists concatenated, slot-major: cells[sum(lens[0..s-1]) + j]
+//   k, v  : the rows in the same order; k_size / v_size must be exactly the bytes of those rows
+//
+
+// Copy the rows of the listed cells out of the cache. Every cell must hold a token (each
+// slot's list without duplicates). Reads only.
+LLAMA_API int32_t llama_entrokv_read_cells(
+        struct llama_context * ctx,
+        int32_t n_slots,
+        const int32_t * lens,
+        const int32_t * cells,
+        void * k_out,
+        size_t k_size,
+        void * v_out,
+        size_t v_size);
+
+// Write the given rows into the listed cells, and make true_pos (same layout as cells) the
+// true positions those cells hold for their slot from now on. Only compacted cells
+// (0 .. n_compacted-1, still holding their compacted token) can be written: their tokens
+// differ per slot already, and a slot keeps exactly as many tokens as before. Each true
+// position must be in 0 .. the last compacted position and held by no other cell of the
+// slot afterwards (no duplicate token in a buffer). Everything is checked before anything is
+// written: on error the cache and its true positions are as they were.
+LLAMA_API int32_t llama_entrokv_write_cells(
+        struct llama_context * ctx,
+        int32_t n_slots,
+        const int32_t * lens,
+        const int32_t * cells,
+        const int32_t * true_pos,
+        const void * k_in,
+        size_t k_size,
+        const void * v_in,
+        size_t v_size);
+
+//
 // Observation: the attention of the last `window` queries of a ubatch, per eligible layer
 // and query head, computed inside llama.cpp's graph on the backend holding the cache
 // (the model's own scale, softcap, mask and sinks; flash attention on or off).
@@ -146,6 +191,10 @@ struct llama_entrokv_scores {
     const int32_t * layer_ids; // [n_layers] model layer ids
     const float   * scores;    // [n_layers][n_head][n_kv]: mean over the window of the attention on each cell
     const int32_t * true_pos;  // [n_slots][n_kv]: true position of each cell's token per slot, -1 if empty
+    int32_t   head_dim;     // elements of one query head (0 when layers differ: then queries is NULL)
+    const float   * queries;   // [n_layers][window][n_head][head_dim]: the window's queries as attention
+                               // sees them (RoPE applied, times the model's kq_scale), so that q . k is the
+                               // logit (before any softcap) of a key k as the cache holds it
 };
 
 // Called from inside llama_decode, once per observed ubatch, on the decoding thread. The
@@ -208,7 +257,9 @@ LLAMA_API int32_t llama_entrokv_evict(
 // After llama_state_set_data / llama_state_seq_set_data of a compacted cache (which
 // resets the table): tell the cache that cells 0..n_keep-1 are compacted cells whose true
 // positions are true_pos[s * n_keep + j] (as llama_entrokv_true_pos gave them before the
-// save). The cells must hold one sequence at consecutive positions from cell 0 on.
+// save). The cells must hold one sequence at consecutive positions from cell 0 on; each
+// slot's true positions must be distinct and not above the last compacted position (they
+// ascend after a compaction of ascending lists; written cells can break the order).
 LLAMA_API int32_t llama_entrokv_restore(
         struct llama_context * ctx,
         int32_t n_keep,

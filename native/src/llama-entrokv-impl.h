@@ -13,11 +13,17 @@ class llm_graph_result;
 struct llm_graph_context;
 struct llama_context;
 struct ggml_tensor;
-struct entrokv_target;
 struct llama_entrokv_geometry;
 struct llama_entrokv_layer;
 struct llama_entrokv_scores;
 struct llama_ubatch;
+struct entrokv_rows_plan;
+
+// the cache a context's calls act on: its KV cache, or the base cache of an iswa pair
+struct entrokv_target {
+    llama_kv_cache * kv   = nullptr;
+    bool             iswa = false;
+};
 
 // Compaction state of one llama_kv_cache (single stream, single sequence).
 // Cells 0..n_keep-1 hold compacted tokens with synthetic positions
@@ -68,6 +74,14 @@ struct llama_entrokv_access {
     static int32_t n_refused(llama_context * ctx);
     static int32_t restore  (llama_context * ctx, int32_t n_keep, const int32_t * true_pos, size_t n);
     static int32_t set_last_logits(llama_context * ctx, const float * logits, int32_t n_vocab);
+
+    // rows of (slot, cell) pairs (llama-entrokv-rows.cpp); plan_rows makes the checks both share
+    static int32_t plan_rows  (llama_context * ctx, struct entrokv_rows_plan & p, int32_t n_slots, const int32_t * lens,
+                               const int32_t * cells, const void * k, size_t k_size, const void * v, size_t v_size);
+    static int32_t read_cells (llama_context * ctx, int32_t n_slots, const int32_t * lens, const int32_t * cells,
+                               void * k_out, size_t k_size, void * v_out, size_t v_size);
+    static int32_t write_cells(llama_context * ctx, int32_t n_slots, const int32_t * lens, const int32_t * cells,
+                               const int32_t * true_pos, const void * k_in, size_t k_size, const void * v_in, size_t v_size);
 
     // observation (llama-entrokv-observe.cpp)
     static void    after_ubatch   (llama_context & lctx, const llm_graph_result * res, const struct llama_ubatch & ubatch);

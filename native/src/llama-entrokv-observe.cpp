@@ -22,10 +22,14 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
+
+// the name prefix of the query outputs (the scores are "entrokv_scores-<il>")
+#define ENTROKV_Q_PREFIX "entrokv_q-"
 
 void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_mask,
         ggml_tensor * sinks, float kq_scale, int il) {
@@ -69,6 +73,19 @@ void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_te
     ggml_build_forward_expand(g.gf, t);
     g.res->t_entrokv.push_back(t);
     g.res->t_entrokv_il.push_back(il);
+
+    // the window's queries, scaled as attention scales them: [hd, n_head, w], one more output
+    // (told apart from the scores by its name when the ubatch is done)
+    ggml_tensor * qo = ggml_cont(ctx0, ggml_view_3d(ctx0, q, q->ne[0], n_head, w, q->nb[1], q->nb[2], (T - w) * q->nb[2]));
+    if (qo->type != GGML_TYPE_F32) {
+        qo = ggml_cast(ctx0, qo, GGML_TYPE_F32);
+    }
+    qo = ggml_scale(ctx0, qo, kq_scale);
+    ggml_format_name(qo, "%s%d", ENTROKV_Q_PREFIX, il);
+    ggml_set_output(qo);
+    ggml_build_forward_expand(g.gf, qo);
+    g.res->t_entrokv.push_back(qo);
+    g.res->t_entrokv_il.push_back(il);
 }
 
 //
@@ -81,6 +98,7 @@ struct entrokv_observer_state {
     void *                 user_data = nullptr;
 
     std::vector<float>   scores;
+    std::vector<float>   queries;
     std::vector<int32_t> true_pos;
     std::vector<int32_t> layer_ids;
     llama_entrokv_scores view {};
@@ -154,23 +172,48 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
         return;
     }
     const llama_kv_cache & kv = *t.kv;
-    const int32_t n_layers = (int32_t) res->t_entrokv.size();
-    const int64_t n_kv     = res->t_entrokv[0]->ne[0];
-    const int64_t n_head   = res->t_entrokv[0]->ne[1];
-    const int32_t ns       = n_slots(kv);
-
-    st->scores.resize((size_t) n_layers * n_head * n_kv);
-    st->layer_ids.assign(res->t_entrokv_il.begin(), res->t_entrokv_il.end());
-    for (int32_t i = 0; i < n_layers; ++i) {
-        ggml_tensor * s = res->t_entrokv[i];
-        GGML_ASSERT(s->ne[0] == n_kv && s->ne[1] == n_head);
-        ggml_backend_t be = ggml_backend_sched_get_tensor_backend(lctx.sched.get(), s);
-        float * dst = st->scores.data() + (size_t) i * n_head * n_kv;
-        if (be) {
-            ggml_backend_tensor_get_async(be, s, dst, 0, ggml_nbytes(s));
+    // the outputs of each observed layer: its scores, then its queries
+    std::vector<ggml_tensor *> ts, tq;
+    st->layer_ids.clear();
+    for (size_t i = 0; i < res->t_entrokv.size(); ++i) {
+        ggml_tensor * x = res->t_entrokv[i];
+        if (strncmp(x->name, ENTROKV_Q_PREFIX, strlen(ENTROKV_Q_PREFIX)) == 0) {
+            tq.push_back(x);
         } else {
-            ggml_backend_tensor_get(s, dst, 0, ggml_nbytes(s));
+            ts.push_back(x);
+            st->layer_ids.push_back(res->t_entrokv_il[i]);
         }
+    }
+    const int32_t n_layers = (int32_t) ts.size();
+    const int64_t n_kv     = ts[0]->ne[0];
+    const int64_t n_head   = ts[0]->ne[1];
+    const int32_t ns       = n_slots(kv);
+    // queries only when every layer has them with one head size
+    int64_t hd = tq.size() == ts.size() ? tq[0]->ne[0] : 0;
+    for (ggml_tensor * x : tq) {
+        if (x->ne[0] != hd || x->ne[1] != n_head) {
+            hd = 0;
+        }
+    }
+    const int64_t w = (int64_t) lctx.cparams.entrokv_window;
+
+    auto get = [&](ggml_tensor * x, float * dst) {
+        ggml_backend_t be = ggml_backend_sched_get_tensor_backend(lctx.sched.get(), x);
+        if (be) {
+            ggml_backend_tensor_get_async(be, x, dst, 0, ggml_nbytes(x));
+        } else {
+            ggml_backend_tensor_get(x, dst, 0, ggml_nbytes(x));
+        }
+    };
+    st->scores.resize((size_t) n_layers * n_head * n_kv);
+    for (int32_t i = 0; i < n_layers; ++i) {
+        GGML_ASSERT(ts[i]->ne[0] == n_kv && ts[i]->ne[1] == n_head);
+        get(ts[i], st->scores.data() + (size_t) i * n_head * n_kv);
+    }
+    st->queries.resize(hd > 0 ? (size_t) n_layers * w * n_head * hd : 0);
+    for (int32_t i = 0; hd > 0 && i < n_layers; ++i) {
+        GGML_ASSERT(ggml_nelements(tq[i]) == w * n_head * hd);
+        get(tq[i], st->queries.data() + (size_t) i * w * n_head * hd);
     }
     ggml_backend_sched_synchronize(lctx.sched.get());
 
@@ -189,6 +232,8 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
     v.layer_ids = st->layer_ids.data();
     v.scores    = st->scores.data();
     v.true_pos  = st->true_pos.data();
+    v.head_dim  = (int32_t) hd;
+    v.queries   = hd > 0 ? st->queries.data() : nullptr;
     st->have    = true;
 
     if (st->cb) {

@@ -118,11 +118,6 @@ bool llama_entrokv_access::allow_seq_shift(llama_kv_cache & kv, llama_seq_id seq
 // resolving a context to the cache we act on
 //
 
-struct entrokv_target {
-    llama_kv_cache * kv   = nullptr;
-    bool             iswa = false;
-};
-
 int32_t llama_entrokv_access::resolve(llama_context * ctx, entrokv_target & t) {
     if (ctx == nullptr) {
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "ctx is NULL");
@@ -848,13 +843,18 @@ int32_t llama_entrokv_access::restore(llama_context * ctx, int32_t n_keep, const
                     "cell %d does not hold position %d of a single sequence: not the saved compacted layout", j, p_lo + j);
         }
     }
+    // each slot's true positions: distinct, within 0 .. the last compacted position
+    const llama_pos p_hi = p_lo + n_keep - 1;
+    std::vector<uint8_t> seen((size_t) p_hi + 1);
     for (int32_t s = 0; s < ns; ++s) {
+        std::fill(seen.begin(), seen.end(), 0);
         for (int32_t j = 0; j < n_keep; ++j) {
             const int32_t v = tpos[(size_t) s * n_keep + j];
-            if (v < 0 || v > p_lo + j || (j > 0 && v <= tpos[(size_t) s * n_keep + j - 1])) {
+            if (v < 0 || v > p_hi || seen[v]) {
                 return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_ORDER,
-                        "slot %d: true positions must ascend and not exceed the synthetic ones (%d at cell %d)", s, v, j);
+                        "slot %d: true positions must be distinct and within 0..%d (%d at cell %d)", s, p_hi, v, j);
             }
+            seen[v] = 1;
         }
     }
     if (!kv.entrokv) {
