@@ -297,6 +297,28 @@ def write_cells(llm, cells, true_pos, k, v) -> None:
                                          ffi.from_buffer("char[]", vv) if vv.size else ffi.NULL, vv.size))
 
 
+def rows_to_float(rows: np.ndarray, type_name: str) -> np.ndarray:
+    """float32 [n, elements]: rows (uint8 [n, bytes], as ``read_cells`` gives them) of a cache
+    type (``KVGeometry.type_k`` / ``type_v``) converted to float as ggml converts them."""
+    ffi, lib = _api()
+    ids = {v: k for k, v in _GGML_TYPE_NAMES.items()}
+    t = ids[type_name] if type_name in ids else int(type_name)
+    rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    n, nb = rows.shape
+    # elements per row: bytes / (bytes per block) * (elements per block), from one probe of the type
+    per = {0: (4, 1), 1: (2, 1), 30: (2, 1), 8: (34, 32), 2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32),
+           20: (18, 32)}
+    if t not in per:
+        raise ValueError(f"cache type {type_name} cannot be converted here")
+    bb, be = per[t]
+    if nb % bb:
+        raise ValueError(f"a row of {nb} bytes is not whole blocks of {type_name}")
+    out = np.empty((n, nb // bb * be), np.float32)
+    if out.size:
+        _check(lib.llama_entrokv_to_float(t, ffi.from_buffer("char[]", rows), ffi.from_buffer("float[]", out), out.size))
+    return out
+
+
 def restore(llm, true_pos: np.ndarray) -> None:
     """After loading a saved state of a compacted cache: re-attach its true-position table,
     int32 [n_slots, n_keep] (what ``true_positions(llm)[:, :n_keep]`` was at save time)."""

@@ -71,14 +71,17 @@ class EvictionController:
             return scores
         return lookahead_scores(llm, scores, self.config.lookahead, eval_tokens, stats, self.config.lookahead_share)
 
-    def evict(self, llm, scores: WindowScores, *, needles=None, n_keep: int | None = None) -> EvictionResult:
+    def evict(self, llm, scores: WindowScores, *, needles=None, n_keep: int | None = None,
+              before_compact=None) -> EvictionResult:
         """Select with the configured policy from ``scores`` and compact ``llm``'s cache.
 
         The cache may have been evicted before and may hold tokens decoded after the
         observation: scores are mapped from cells to true positions per (layer, KV head),
         every group chooses among the pages it still holds, and positions that came
         after the observed window (no score yet) get their head's mean score.
-        ``n_keep``: pages to keep instead of the budget's (the runtime's capacity limit)."""
+        ``n_keep``: pages to keep instead of the budget's (the runtime's capacity limit);
+        ``before_compact(tp_now, cells)``: called with the slots' true positions (None: cells are
+        positions) and the cells [n_slots, K] each keeps, right before the compaction."""
         cfg = self.config
         t0 = time.perf_counter()
         g = geometry(llm)
@@ -106,6 +109,8 @@ class EvictionController:
                 cells = positions.reshape(L * G, -1)
             else:
                 cells = self._cells_of(tp_now, positions.reshape(L * G, -1), n)
+            if before_compact is not None:
+                before_compact(tp_now, cells)
             compact(llm, cells)
         t2 = time.perf_counter()
         result = EvictionResult(sel, positions)

@@ -25,6 +25,7 @@ from ..controller.config import EDGE_OPTIONS, OFF
 from ..controller.guide import guide_scores
 from .._loader import ensure_llama_cpp
 from . import session
+from .recall import Recall, recall_config
 
 llama_cpp = ensure_llama_cpp()
 
@@ -77,14 +78,16 @@ class EntroKVLlama(llama_cpp.Llama):
     ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``, and entrokv-edge's
     ``pool``, ``spread``, ``decay``, ``consensus``, ``entropy_region``, ``head_pool``,
     ``value_power``, ``lookahead``, ``lookahead_share``; ``guide``, ``guide_share``, ``guide_draft``) or
-    ``eviction=EvictionConfig(...)``; ``logical_ctx`` (the longest conversation accepted,
+    ``eviction=EvictionConfig(...)``; ``recall`` (True, or a dict / RecallConfig of ``every`` and
+    ``pages``: evicted tokens are kept in a store in host memory and brought back while generating,
+    runtime/recall.py; default off); ``logical_ctx`` (the longest conversation accepted,
     default: the model's training context); ``progress`` (a callable(done, total) called
     during long prefills); ``rpc_servers`` ("host:port" or a list: llama.cpp RPC servers
     to offload to, with ``n_gpu_layers``; needs a ``-DGGML_RPC=ON`` build).
     """
 
     def __init__(self, model_path: str, *, eviction: EvictionConfig | None = None, logical_ctx: int | None = None,
-                 progress: Callable[[int, int], None] | None = None, rpc_servers=None, **kwargs):
+                 progress: Callable[[int, int], None] | None = None, rpc_servers=None, recall=None, **kwargs):
         settings = {k: kwargs.pop(k) for k in _SETTINGS if k in kwargs}
         if eviction is not None and settings:
             raise TypeError("give either eviction=EvictionConfig(...) or its settings, not both")
@@ -92,6 +95,7 @@ class EntroKVLlama(llama_cpp.Llama):
             raise ValueError("EntroKVLlama does not support logits_all (per-token logits of a logical "
                              "sequence longer than the cache)")
         cfg = eviction if eviction is not None else EvictionConfig(**settings)
+        recall_cfg = recall_config(recall)
         _check_context_params(kwargs)
         if rpc_servers:
             from .rpc import add_servers
@@ -133,6 +137,9 @@ class EntroKVLlama(llama_cpp.Llama):
         self.n_guided = 0              # evictions between pieces of a prompt that its guide steered
         self.guide_s = 0.0             # wall time spent evaluating the guide (and its draft) for them
         self.n_drafted = 0             # tokens drafted to score evictions (lookahead's, the guide's), then removed
+        self.recall = Recall(recall_cfg, cfg) if recall_cfg else None
+        self._recall_obs: Observation | None = None     # window 1 over decoded tokens, while generating
+        self.recall_s = 0.0            # wall time spent in recalls (reading, scoring, swapping)
 
     def close(self) -> None:
         """Free the model and the cache: after any call in flight in another thread; refused
@@ -182,7 +189,10 @@ class EntroKVLlama(llama_cpp.Llama):
         if self.config.policy == "full":
             raise ValueError("the full policy never evicts: the cache is too small for this conversation")
         t0 = time.perf_counter()
-        res = self.controller.evict(self, scores, n_keep=N)
+        hook = (lambda tp, cells: self.recall.on_evict(self, tp, cells)) if self.recall else None
+        res = self.controller.evict(self, scores, n_keep=N, before_compact=hook)
+        if self.recall:
+            self.recall.n_keep = geometry(self).n_compacted
         self.eviction_s += time.perf_counter() - t0
         self.n_evictions += 1
         if res.metrics["kept_tokens"] > self.kv_cells - self.config.window:
@@ -302,6 +312,13 @@ class EntroKVLlama(llama_cpp.Llama):
         tokens = [int(t) for t in tokens]
         if not tokens:
             return
+        if self.recall:
+            if self.n_tokens == 0:
+                self.recall.reset()                 # a new conversation: the store was the last one's
+            if len(tokens) == 1 and self.recall.n_keep and self.kv_cells - self._used() >= 1:
+                self._decode_with_recall(tokens)
+                return
+            self._stop_recall_observer()
         self.n_evaluated += len(tokens)
         ws = self._window_scores
         if self.n_tokens == 0 or (ws is not None and ws.pos_last >= self.n_tokens):
@@ -340,10 +357,36 @@ class EntroKVLlama(llama_cpp.Llama):
                 self.n_drafted += stats.get("drafted", 0)
             self.evict()                        # after a prompt: down to the budget
 
+    def _decode_with_recall(self, tokens: list[int]) -> None:
+        """One decoded token, observed (its queries and attention); every ``every`` tokens, a recall."""
+        self.n_evaluated += 1
+        ws = self._window_scores
+        if ws is not None and ws.pos_last >= self.n_tokens:
+            self._window_scores = None      # observed on tokens that are gone (a prefix reuse cut them)
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        self._ensure_ids(self.n_tokens + 1)
+        if self._recall_obs is None:
+            self._recall_obs = Observation(self, 1, handler=self.recall.observe, keep_last=False)
+        self._recall_obs.start()
+        super().eval(tokens)
+        self._recall_obs.raise_pending()
+        if self.recall.due():
+            t0 = time.perf_counter()
+            self.recall.step(self)
+            self.recall.n_recalls += 1
+            self.recall_s += time.perf_counter() - t0
+
+    def _stop_recall_observer(self) -> None:
+        if self._recall_obs is not None:
+            self._recall_obs.stop()
+            self._recall_obs = None
+
     def reset(self) -> None:
         with self._claim():
             super().reset()
             self._window_scores = None
+            if self.recall:
+                self.recall.reset()
 
     # --- reports and sessions -----------------------------------------------------------
 
@@ -359,7 +402,21 @@ class EntroKVLlama(llama_cpp.Llama):
                 "kv_bytes_kept": sum(x["bytes_held"] for x in layers),
                 "kv_bytes_allocated": g.kv_size * g.bytes_per_cell, "evictions": self.n_evictions,
                 "eviction_s": self.eviction_s, "guided_evictions": self.n_guided, "guide_s": self.guide_s,
-                "drafted_tokens": self.n_drafted, "layers": layers}
+                "drafted_tokens": self.n_drafted, "recall": self._recall_report(), "layers": layers}
+
+    def _recall_report(self) -> dict:
+        """What the recall tier holds and did: off, or the store's tokens per group buffer, its pages,
+        bytes (K/V rows, digests), where it lives, and the recalls so far."""
+        rc = self.recall
+        if rc is None:
+            return {"on": False}
+        st = rc.store
+        nb = st.nbytes() if st is not None else {"rows": 0, "digests": 0}
+        return {"on": True, "every": rc.config.every, "pages": rc.config.pages, "where": "memory",
+                "store_tokens_per_group": st.n_tokens if st is not None else 0,
+                "store_pages": st.n_pages() if st is not None else 0,
+                "store_bytes": nb["rows"], "digest_bytes": nb["digests"],
+                "recalls": rc.n_recalls, "recalled_tokens": rc.recalled, "recall_s": self.recall_s}
 
     def save_session(self, path: str | Path, extra: dict | None = None) -> None:
         """Save the state (``save_state``) to ``path``, atomically, with checksums and the model's
@@ -405,7 +462,7 @@ class EntroKVLlama(llama_cpp.Llama):
                 input_ids=np.asarray(self.input_ids[: self.n_tokens], dtype=np.int32).copy(), n_tokens=self.n_tokens,
                 llama_state=llama_cpp.ctypes.string_at(buf, n_bytes), seed=int(self._seed), logits=logits, true_pos=tp,
                 window_scores=self._window_scores, settings={k: getattr(self.config, k) for k in _SETTINGS},
-                identity=self._identity())
+                identity=self._identity(), recall=self.recall.arrays() if self.recall else {})
 
     def load_state(self, state: session.EntroKVState) -> None:
         """Restore a state from ``save_state`` (or ``session.read``). One made for another model,
@@ -469,6 +526,13 @@ class EntroKVLlama(llama_cpp.Llama):
             set_last_logits(self, state.logits)
         self._requires_eval = state.logits.size == 0
         self.controller = EvictionController(cfg)
+        if self.recall:
+            self.recall.eviction = cfg
         if state.true_pos.shape[1]:
             restore(self, np.ascontiguousarray(state.true_pos, dtype=np.int32))
         self._window_scores = state.window_scores
+        if self.recall:     # the store comes back with its cache (an instance without recall leaves it)
+            try:
+                self.recall.load(self, state.recall)
+            except (KeyError, ValueError) as e:
+                raise session.SessionError(str(e)) from None

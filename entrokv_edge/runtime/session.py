@@ -28,6 +28,7 @@ FORMAT = "entrokv-session-2"
 # the arrays of a session file, besides "meta" (the JSON header) and "meta_sha256"
 _ARRAYS = ("llama_state", "logits", "input_ids", "true_pos")
 _WS = ("ws_scores", "ws_true_pos", "ws_layers", "ws_info")
+_RECALL = ("recall_pos", "recall_k", "recall_v", "recall_info", "recall_q", "recall_att", "recall_amax", "recall_pmax")
 
 
 class SessionError(ValueError):
@@ -39,11 +40,12 @@ class EntroKVState(llama_cpp.LlamaState):
     """llama-cpp-python's ``LlamaState`` (what ``Llama.save_state`` returns and its caches keep),
     with what a compacted cache needs besides: ``logits`` (float32 [n_vocab], the last token's),
     ``true_pos`` (int32 [n_slots, n_compacted]), ``window_scores`` (or None), ``settings`` (the
-    EvictionConfig fields), ``identity`` (model and cache geometry) and ``extra``."""
+    EvictionConfig fields), ``identity`` (model and cache geometry), ``extra`` and ``recall`` (the
+    recall store's arrays, runtime/recall.py; empty without one)."""
 
     def __init__(self, *, input_ids: np.ndarray, n_tokens: int, llama_state: bytes, seed: int, logits: np.ndarray,
                  true_pos: np.ndarray, window_scores: WindowScores | None, settings: dict, identity: dict,
-                 extra: dict | None = None):
+                 extra: dict | None = None, recall: dict | None = None):
         super().__init__(input_ids=input_ids, scores=np.zeros((0, logits.size), np.float32), n_tokens=n_tokens,
                          llama_state=llama_state, llama_state_size=len(llama_state), seed=seed)
         self.logits = logits
@@ -52,13 +54,15 @@ class EntroKVState(llama_cpp.LlamaState):
         self.settings = settings
         self.identity = identity
         self.extra = extra or {}
+        self.recall = recall or {}
 
     @property
     def nbytes(self) -> int:
         """Bytes this state holds in memory (what a cache of states counts)."""
         ws = self.window_scores
         return (len(self.llama_state) + self.input_ids.nbytes + self.logits.nbytes + self.true_pos.nbytes
-                + (ws.scores.nbytes + ws.true_pos.nbytes if ws is not None else 0))
+                + (ws.scores.nbytes + ws.true_pos.nbytes if ws is not None else 0)
+                + sum(a.nbytes for a in self.recall.values()))
 
 
 def _sha(a: np.ndarray) -> str:
@@ -75,6 +79,8 @@ def _arrays(state: EntroKVState) -> dict[str, np.ndarray]:
         out.update(ws_scores=np.asarray(ws.scores), ws_true_pos=np.asarray(ws.true_pos, dtype=np.int32),
                    ws_layers=np.asarray(ws.layer_ids, dtype=np.int32),
                    ws_info=np.array([ws.window, ws.n_tokens, ws.pos_last], np.int64))
+    if state.recall:
+        out.update({k: np.asarray(state.recall[k]) for k in _RECALL})
     return out
 
 
@@ -129,7 +135,7 @@ def read(path: str | os.PathLike) -> EntroKVState:
     if "meta_sha256" not in arrays or bytes(arrays["meta_sha256"]).decode("ascii", "replace") != _sha(arrays["meta"]):
         raise SessionError(f"{name}: damaged session file (its header's checksum does not match)")
     sums = meta.get("checksums", {})
-    want = set(_ARRAYS) | ({*_WS} if "ws_scores" in sums else set())
+    want = set(_ARRAYS) | ({*_WS} if "ws_scores" in sums else set()) | ({*_RECALL} if "recall_pos" in sums else set())
     for k in sorted(want):
         if k not in arrays or k not in sums:
             raise SessionError(f"{name}: damaged session file (array {k!r} is missing)")
@@ -157,7 +163,7 @@ def _state(arrays: dict, meta: dict, with_scores: bool) -> EntroKVState:
     return EntroKVState(input_ids=arrays["input_ids"], n_tokens=n, llama_state=arrays["llama_state"].tobytes(),
                         seed=int(meta["seed"]), logits=arrays["logits"], true_pos=arrays["true_pos"],
                         window_scores=ws, settings=meta["settings"], identity=meta["identity"],
-                        extra=meta.get("extra", {}))
+                        extra=meta.get("extra", {}), recall={k: arrays[k] for k in _RECALL if k in arrays})
 
 
 def mismatch(saved: dict, here: dict) -> str | None:

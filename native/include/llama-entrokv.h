@@ -173,6 +173,14 @@ LLAMA_API int32_t llama_entrokv_write_cells(
         const void * v_in,
         size_t v_size);
 
+// Convert n elements of ggml type `type` (a cache's type_k / type_v: F32, F16, BF16 or a
+// quantized type; n a multiple of its block size) to float, as ggml does.
+LLAMA_API int32_t llama_entrokv_to_float(
+        int32_t type,
+        const void * src,
+        float * dst,
+        int64_t n);
+
 //
 // Observation: the attention of the last `window` queries of a ubatch, per eligible layer
 // and query head, computed inside llama.cpp's graph on the backend holding the cache

@@ -297,6 +297,25 @@ int32_t llama_entrokv_access::write_cells(llama_context * ctx, int32_t n_slots_i
 
 extern "C" {
 
+int32_t llama_entrokv_to_float(int32_t type, const void * src, float * dst, int64_t n) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || ggml_type_size((ggml_type) type) == 0) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "unknown ggml type %d", type);
+    }
+    const ggml_type t = (ggml_type) type;
+    if (n < 0 || n % ggml_blck_size(t) != 0 || (n > 0 && (src == nullptr || dst == nullptr))) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "n = %lld must be >= 0 and a multiple of %s's block size (%lld), "
+                "and src and dst non-NULL", (long long) n, ggml_type_name(t), (long long) ggml_blck_size(t));
+    }
+    if (t == GGML_TYPE_F32) {
+        memcpy(dst, src, (size_t) n * sizeof(float));
+    } else if (ggml_get_type_traits(t)->to_float != nullptr) {
+        ggml_get_type_traits(t)->to_float(src, dst, n);
+    } else {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "%s cannot be converted to float", ggml_type_name(t));
+    }
+    return llama_entrokv_ok();
+}
+
 int32_t llama_entrokv_read_cells(llama_context * ctx, int32_t n_slots, const int32_t * lens, const int32_t * cells,
         void * k_out, size_t k_size, void * v_out, size_t v_size) {
     try {
