@@ -139,6 +139,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self.n_drafted = 0             # tokens drafted to score evictions (lookahead's, the guide's), then removed
         self.recall = Recall(recall_cfg, cfg) if recall_cfg else None
         self._recall_obs: Observation | None = None     # window 1 over decoded tokens, while generating
+        self._turn_scores: WindowScores | None = None    # a turn shorter than the window, observed for the recall
         self.recall_s = 0.0            # wall time spent in recalls (reading, scoring, swapping)
 
     def close(self) -> None:
@@ -223,6 +224,8 @@ class EntroKVLlama(llama_cpp.Llama):
     def _eval_piece(self, piece: list[int], done: int, total: int) -> None:
         w = self.config.window
         head = piece if len(piece) < w else piece[:-w]
+        if len(piece) < w and self.recall and self.recall.n_keep and len(piece) > 1:
+            head = []                       # observed below
         for i in range(0, len(head), self.n_batch):   # batch by batch, for the progress report
             super().eval(head[i: i + self.n_batch])
             if self.progress is not None and total > 1:
@@ -233,6 +236,11 @@ class EntroKVLlama(llama_cpp.Llama):
             self._window_scores = obs.last
             if self.progress is not None and total > 1:
                 self.progress(done + len(piece), total)
+        elif self.recall and self.recall.n_keep and len(piece) > 1:
+            # a turn shorter than the window: observed whole, for the recall its queries drive (not for evictions)
+            with Observation(self, len(piece)) as obs:
+                super().eval(piece)
+            self._turn_scores = obs.last
 
     def generate(self, tokens, *args, **kwargs):
         """llama-cpp-python's generate, one at a time per instance: a generation started while
@@ -356,6 +364,14 @@ class EntroKVLlama(llama_cpp.Llama):
                 self.eviction_s += time.perf_counter() - t0
                 self.n_drafted += stats.get("drafted", 0)
             self.evict()                        # after a prompt: down to the budget
+        if self.recall and self.recall.n_keep:  # a new turn: its last queries bring back the pages they want
+            ws = self._turn_scores or self._window_scores
+            if ws is not None and ws.queries is not None and ws.pos_last == self.n_tokens - 1:
+                t0 = time.perf_counter()
+                self.recall.turn(self, ws.queries, ws.pos_last)
+                self.recall.n_recalls += 1
+                self.recall_s += time.perf_counter() - t0
+        self._turn_scores = None
 
     def _decode_with_recall(self, tokens: list[int]) -> None:
         """One decoded token, observed (its queries and attention); every ``every`` tokens, a recall."""

