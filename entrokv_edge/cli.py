@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_BUDGET} of the prompt when the cache is sized to it")
     common.add_argument("--policy", choices=MAIN_POLICIES, help="what is kept: entrokv-edge (default), page-entrokv "
                         "(the method as published), streaming (sinks and recent tokens), full (no eviction)")
+    common.add_argument("--recall", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep evicted tokens in host memory and bring them back when the answer being generated "
+                        "(or a later question) needs them (docs/options.md, 'Recall')")
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any other setting (docs/options.md), e.g. --set page_size=16; repeatable")
     common.add_argument("--config", metavar="FILE", help="settings from a JSON object (--set and flags win)")
@@ -271,6 +274,8 @@ def _load(args, n_prompt: int | None):
             raise CLIError(str(e))
     if args.threads:
         kwargs.update(n_threads=args.threads, n_threads_batch=args.threads)
+    if args.recall is not None:
+        kwargs["recall"] = args.recall
     try:
         return EntroKVLlama(str(path), **settings, **kwargs)
     except EntroKVError as e:

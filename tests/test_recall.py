@@ -35,9 +35,11 @@ def decode(llm, n):
         llm.eval([int(np.argmax(logits(llm)))])
 
 
-@pytest.mark.parametrize("type_k", [0, 1, 8], ids=["f32", "f16", "q8_0"])
-def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k):
-    llm = ek.EntroKVLlama(model, n_ctx=256, recall=RECALL, type_k=type_k, type_v=type_k, flash_attn=type_k == 8,
+@pytest.mark.parametrize("type_k,where", [(0, "memory"), (1, "memory"), (8, "memory"), (1, "file")],
+                         ids=["f32", "f16", "q8_0", "f16-file"])
+def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, where, tmp_path):
+    recall = {**RECALL, "directory": str(tmp_path)} if where == "file" else RECALL
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall=recall, type_k=type_k, type_v=type_k, flash_attn=type_k == 8,
                           **SETTINGS)
     before = {}
     on_evict = llm.recall.on_evict
@@ -65,11 +67,17 @@ def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k):
         assert set(now[s]) >= set(range(4)) and set(now[s]) >= set(range(184, 200))   # sinks and recent stay
     assert g.n_compacted == 64 and g.n_used == 64 + 40                              # the budget, exactly
     assert len({len(p) for p in st.pos}) == 1
+    rep = llm.kv_report()["recall"]
+    assert rep["store_bytes_in_memory"] * 10 < rep["store_bytes"] if where == "file" else \
+        rep["store_bytes_in_memory"] == rep["store_bytes"]          # in a file, only positions stay in memory
+    assert list(tmp_path.iterdir()) == []            # the store's file has no name: nothing is left behind
     assert (np.sort(tp[:, :64], 1) != np.sort(evicted_to, 1)).any(axis=1).sum() > g.n_slots // 2   # pages came back
 
 
-def test_generation_with_recall_goes_on_across_evictions(model):
-    llm = ek.EntroKVLlama(model, n_ctx=256, recall=RECALL, **SETTINGS)
+@pytest.mark.parametrize("where", ["memory", "file"])
+def test_generation_with_recall_goes_on_across_evictions(model, where, tmp_path):
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, **({"directory": tmp_path} if where == "file" else {})},
+                          **SETTINGS)
     llm.eval(prompt(600, 2))
     decode(llm, 400)                             # past the cache several times
     g, st = ek.geometry(llm), llm.recall.store
@@ -102,7 +110,7 @@ def test_sessions_keep_the_store_and_go_on_identically(model, tmp_path):
 
 
 def test_recall_settings_are_checked(model):
-    for bad in (dict(every=0), dict(pages=-1), dict(page_size=2.5), dict(nope=1)):
+    for bad in (dict(every=0), dict(pages=-1), dict(page_size=2.5), dict(nope=1), dict(directory="/no/such/dir")):
         with pytest.raises((ValueError, TypeError)):
             ek.EntroKVLlama(model, n_ctx=256, recall=bad, **SETTINGS)
     with pytest.raises(TypeError):

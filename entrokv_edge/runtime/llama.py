@@ -153,6 +153,8 @@ class EntroKVLlama(llama_cpp.Llama):
             return
         with self._claim():
             super().close()
+            if getattr(self, "recall", None):
+                self.recall.reset()
 
     # --- the cache ------------------------------------------------------------------
 
@@ -427,11 +429,13 @@ class EntroKVLlama(llama_cpp.Llama):
         if rc is None:
             return {"on": False}
         st = rc.store
-        nb = st.nbytes() if st is not None else {"rows": 0, "digests": 0}
-        return {"on": True, "every": rc.config.every, "pages": rc.config.pages, "where": "memory",
+        nb = st.nbytes() if st is not None else {"rows": 0, "positions": 0, "digests": 0}
+        return {"on": True, "every": rc.config.every, "pages": rc.config.pages,
+                "where": f"file in {rc.config.directory}" if rc.config.directory else "memory",
                 "store_tokens_per_group": st.n_tokens if st is not None else 0,
                 "store_pages": st.n_pages() if st is not None else 0,
-                "store_bytes": nb["rows"], "digest_bytes": nb["digests"],
+                "store_bytes": nb["rows"] + nb["positions"], "digest_bytes": nb["digests"],
+                "store_bytes_in_memory": (0 if rc.config.directory else nb["rows"]) + nb["positions"],
                 "recalls": rc.n_recalls, "recalled_tokens": rc.recalled, "recall_s": self.recall_s}
 
     def save_session(self, path: str | Path, extra: dict | None = None) -> None:

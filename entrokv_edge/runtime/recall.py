@@ -32,14 +32,23 @@ from ..bindings.observe import WindowScores
 class RecallConfig:
     """``every``: decoded tokens between two recalls; ``pages``: pages read and offered per
     (layer, KV group) at each recall; ``page_size``: true positions per page of the store (its
-    own, whatever the eviction's page size)."""
+    own, whatever the eviction's page size); ``directory``: keep the store's rows in a file there
+    (memory-mapped, removed when the store goes) instead of host memory."""
 
     every: int = 4
     pages: int = 8
     page_size: int = 16
+    directory: str | None = None
+    turn_pages: int = 8
 
     def __post_init__(self):
-        for name in ("every", "pages", "page_size"):
+        import os
+        if self.directory is not None:
+            d = os.fspath(self.directory)
+            if not os.path.isdir(d) or not os.access(d, os.W_OK):
+                raise ValueError(f"recall directory {d!r} is not a writable directory")
+            object.__setattr__(self, "directory", d)
+        for name in ("every", "pages", "page_size", "turn_pages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
                 raise ValueError(f"recall {name} must be an integer in 1..4096, got {v!r}")
@@ -59,21 +68,69 @@ def recall_config(value) -> RecallConfig | None:
     raise TypeError(f"recall must be True, False, a dict or a RecallConfig, got {value!r}")
 
 
+class _FileRows:
+    """One slot's rows of a store kept in a file: a view over the file's segments (one per
+    eviction, [n_slots, m, width] bytes each, memory-mapped); ``rows[idx]`` reads, ``rows[idx] = x``
+    writes, only the pages of the file it touches come into memory."""
+
+    def __init__(self, segs: list, s: int, width: int):
+        self.segs, self.s, self.width = segs, s, width
+
+    def __len__(self) -> int:
+        return sum(m.shape[1] for _, m in self.segs)
+
+    def _where(self, idx):
+        idx = np.arange(len(self))[idx] if not isinstance(idx, np.ndarray) or idx.dtype == bool else idx
+        starts = np.array([a for a, _ in self.segs])
+        return np.atleast_1d(idx), np.searchsorted(starts, np.atleast_1d(idx), side="right") - 1, starts
+
+    def __getitem__(self, idx) -> np.ndarray:
+        scalar = np.ndim(idx) == 0 and not isinstance(idx, slice)
+        idx, seg, starts = self._where(idx)
+        out = np.empty((idx.size, self.width), np.uint8)
+        for j in np.unique(seg):
+            at = seg == j
+            out[at] = self.segs[j][1][self.s, idx[at] - starts[j], : self.width]
+        return out[0] if scalar else out
+
+    def __setitem__(self, idx, rows) -> None:
+        idx, seg, starts = self._where(idx)
+        rows = np.asarray(rows, np.uint8).reshape(idx.size, self.width)
+        for j in np.unique(seg):
+            at = seg == j
+            self.segs[j][1][self.s, idx[at] - starts[j], : self.width] = rows[at]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self), self.width
+
+    def __array__(self, dtype=None, copy=None):
+        return self[:] if dtype is None else self[:].astype(dtype)
+
+
 class Store:
     """The evicted tokens of every slot. Each slot holds the same number of entries (an eviction
     takes as many tokens from every group buffer, a recall swaps one for one).
 
-    Per slot s: ``pos[s]`` int32 [M] true positions, ``k[s]`` / ``v[s]`` uint8 [M, row bytes] (the
-    cache's bytes), ``sums[s]`` float64 [pages, head_dim] and ``counts[s]`` int [pages]: the sum of
-    the keys (as floats) and the number of tokens of each page of true positions in the store."""
+    Per slot s: ``pos[s]`` int32 [M] true positions, ``k[s]`` / ``v[s]`` [M, row bytes] (the
+    cache's bytes: uint8 arrays in host memory, or views of a memory-mapped file in ``directory``),
+    ``sums[s]`` float32 [pages, head_dim] and ``counts[s]`` int [pages]: the sum of the keys (as
+    floats) and the number of tokens of each page of true positions in the store. The digests
+    (sums / counts) and positions stay in host memory either way."""
 
-    def __init__(self, n_slots: int, page_size: int, type_k: str):
+    def __init__(self, n_slots: int, page_size: int, type_k: str, directory: str | None = None):
         self.page, self.type_k = page_size, type_k
         self.pos = [np.zeros(0, np.int32) for _ in range(n_slots)]
-        self.k: list[np.ndarray] = [None] * n_slots
-        self.v: list[np.ndarray] = [None] * n_slots
-        self.sums = [np.zeros((0, 0)) for _ in range(n_slots)]
+        self.k: list = [None] * n_slots
+        self.v: list = [None] * n_slots
+        self.sums = [np.zeros((0, 0), np.float32) for _ in range(n_slots)]
         self.counts = [np.zeros(0, np.int64) for _ in range(n_slots)]
+        self.file = None
+        if directory is not None:     # a file of ours, unlinked when the store goes (nothing of the user's is touched)
+            import tempfile
+            self.file = tempfile.TemporaryFile(dir=directory, prefix="entrokv-store-")
+            self.path = str(directory)
+            self._segs: dict[str, list] = {"k": [], "v": []}
 
     @property
     def n_tokens(self) -> int:
@@ -85,28 +142,58 @@ class Store:
         return int(sum((c > 0).sum() for c in self.counts))
 
     def nbytes(self) -> dict:
-        rows = sum(a.nbytes for a in self.k if a is not None) + sum(a.nbytes for a in self.v if a is not None)
+        """Bytes of the rows (in memory or in the file), the positions and the digests (in memory)."""
+        rows = sum(a.shape[0] * a.shape[1] for a in self.k + self.v if a is not None)
         digests = sum(int((c > 0).sum()) * (s.shape[1] * 4 + 4) for s, c in zip(self.sums, self.counts))
-        return {"rows": rows + sum(p.nbytes for p in self.pos), "digests": digests}
+        return {"rows": rows, "positions": sum(p.nbytes for p in self.pos), "digests": digests,
+                "in_file": self.file is not None}
+
+    def close(self) -> None:
+        if self.file is not None:
+            self._segs = {"k": [], "v": []}
+            self.k = self.v = [None] * len(self.pos)
+            self.file.close()
+            self.file = None
 
     def _account(self, s: int, pos: np.ndarray, kf: np.ndarray, sign: int) -> None:
         pages = pos // self.page
         top = int(pages.max(initial=-1)) + 1
         if top > self.counts[s].size or self.sums[s].shape[1] != kf.shape[1]:
             grow = max(top, self.counts[s].size)
-            sums = np.zeros((grow, kf.shape[1]))
+            sums = np.zeros((grow, kf.shape[1]), np.float32)
             sums[: self.sums[s].shape[0], : self.sums[s].shape[1]] = self.sums[s]
             counts = np.zeros(grow, np.int64)
             counts[: self.counts[s].size] = self.counts[s]
             self.sums[s], self.counts[s] = sums, counts
-        np.add.at(self.sums[s], pages, sign * kf.astype(np.float64))
+        np.add.at(self.sums[s], pages, sign * kf.astype(np.float32))
         np.add.at(self.counts[s], pages, sign)
+        self.sums[s][pages[self.counts[s][pages] == 0]] = 0.0     # an emptied page: no rounding left behind
+
+    def _append_file(self, name: str, rows: list) -> list:
+        """Append one segment [n_slots, m, width] to the file; the slots' views of the rows."""
+        width = max(r.shape[1] for r in rows)
+        m = rows[0].shape[0]
+        block = np.zeros((len(rows), m, width), np.uint8)
+        for s, r in enumerate(rows):
+            block[s, :, : r.shape[1]] = r
+        self.file.seek(0, 2)
+        off = self.file.tell()
+        self.file.write(block.tobytes())
+        self.file.flush()
+        start = len(self.k[0]) if name == "k" and self.k[0] is not None else \
+            len(self.v[0]) if name == "v" and self.v[0] is not None else 0
+        self._segs[name].append((start, np.memmap(self.file, np.uint8, "r+", offset=off, shape=block.shape)))
+        return [_FileRows(self._segs[name], s, r.shape[1]) for s, r in enumerate(rows)]
 
     def add(self, pos: list, k: list, v: list) -> None:
         """Append, per slot, tokens with their true positions and rows (equal counts per slot)."""
         for s in range(len(self.pos)):
             self._account(s, pos[s], rows_to_float(k[s], self.type_k), +1)
             self.pos[s] = np.concatenate([self.pos[s], pos[s].astype(np.int32)])
+        if self.file is not None:
+            self.k, self.v = self._append_file("k", k), self._append_file("v", v)
+            return
+        for s in range(len(self.pos)):
             self.k[s] = k[s].copy() if self.k[s] is None else np.concatenate([self.k[s], k[s]])
             self.v[s] = v[s].copy() if self.v[s] is None else np.concatenate([self.v[s], v[s]])
 
@@ -115,8 +202,9 @@ class Store:
         """Entries ``idx`` of slot s (whose keys as floats are ``kf_old``) become the given tokens."""
         self._account(s, self.pos[s][idx], kf_old, -1)
         self._account(s, pos, rows_to_float(k, self.type_k), +1)
-        self.pos[s][idx], self.k[s][idx], self.v[s][idx] = pos, k, v
-
+        self.pos[s][idx] = pos
+        self.k[s][idx] = k
+        self.v[s][idx] = v
 
 
 def _lse(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -153,7 +241,7 @@ class Recall:
         g = geometry(llm)
         self.n_at_eviction = g.pos_max + 1
         if self.store is None:
-            self.store = Store(g.n_slots, self.page, g.type_k)
+            self.store = Store(g.n_slots, self.page, g.type_k, self.config.directory)
         if tp_now is None:
             tp_now = true_positions(llm)
         held = tp_now >= 0
@@ -169,6 +257,8 @@ class Recall:
         self.steps.clear()
 
     def reset(self) -> None:
+        if self.store is not None:
+            self.store.close()
         self.store, self.steps, self.n_keep, self.n_at_eviction = None, [], 0, 0
 
     # --- sessions -------------------------------------------------------------------
@@ -181,7 +271,7 @@ class Recall:
         # rows of different layers may differ in size: each slot's rows padded to the widest
         def stack(rows):
             w = max(a.shape[1] for a in rows)
-            return np.stack([np.pad(a, ((0, 0), (0, w - a.shape[1]))) for a in rows])
+            return np.stack([np.pad(np.asarray(a), ((0, 0), (0, w - a.shape[1]))) for a in rows])
         # the tokens observed since the last recall: a restored session recalls when this one would
         steps = [np.stack([x[i] for x in self.steps]) if self.steps else np.zeros(0) for i in range(4)]
         return {"recall_pos": np.stack(st.pos), "recall_k": stack(st.k), "recall_v": stack(st.v),
@@ -208,7 +298,7 @@ class Recall:
                 or k.shape[2] < max(kb) or v.shape[2] < max(vb) or info.shape != (2,) or int(info[0]) != g.n_compacted
                 or (M and (pos.min() < 0 or pos.max() > g.pos_max))):
             raise ValueError("its recall store does not fit this cache")
-        self.store = Store(g.n_slots, self.page, g.type_k)
+        self.store = Store(g.n_slots, self.page, g.type_k, self.config.directory)
         self.store.add([pos[s].astype(np.int32) for s in range(g.n_slots)],
                        [np.ascontiguousarray(k[s][:, : kb[s]]) for s in range(g.n_slots)],
                        [np.ascontiguousarray(v[s][:, : vb[s]]) for s in range(g.n_slots)])
@@ -252,7 +342,7 @@ class Recall:
             kref = rows_to_float(ref_k[s], self.store.type_k).astype(np.float64)
             lref = np.einsum("ird,ird->ir", qs, kref[np.searchsorted(ref_cells[s], amax[:, l, hs])])
             return qs, att[:, l, hs], lref - np.log(np.maximum(pmax[:, l, hs], 1e-30))
-        return self._swap(llm, g, slot)
+        return self._swap(llm, g, slot, self.config.pages)
 
     def turn(self, llm, queries: np.ndarray, pos_last: int) -> int:
         """A recall at a new turn, for its observed window's queries (float32 [L, w, H, d], the last
@@ -280,7 +370,7 @@ class Recall:
             lse = _lse(logit)
             att = np.exp(logit - lse[:, :, None])[:, :, : self.n_keep]      # compacted cells are cells 0..n_keep-1
             return qs, att, lse
-        return self._swap(llm, g, slot)
+        return self._swap(llm, g, slot, self.config.turn_pages)
 
     def _ready(self, llm):
         """The geometry when a recall can run (a store, the compacted layout of the last eviction), else None."""
@@ -295,7 +385,7 @@ class Recall:
         G = g.n_slots // g.n_layers
         return G, n_head // G
 
-    def _swap(self, llm, g, slot) -> int:
+    def _swap(self, llm, g, slot, n_pages: int) -> int:
         """Plan every slot's swaps (``slot(s)`` gives its queries [I, r, d], their attention over the
         compacted cells [I, r, n_keep] and their log-sum-exp over the cache [I, r]), then move the
         rows: displaced tokens read out, stored ones written in, the store updated."""
@@ -305,7 +395,7 @@ class Recall:
         protect = np.zeros(max(int(tp.max()) + 1, self.n_at_eviction) + P, bool)
         for p in self.eviction.protected(self.n_at_eviction):            # the last eviction's sinks and recent pages
             protect[p * P:(p + 1) * P] = True
-        plans = [self._plan_slot(s, *slot(s), tp[s], protect) for s in range(g.n_slots)]
+        plans = [self._plan_slot(s, *slot(s), tp[s], protect, n_pages) for s in range(g.n_slots)]
         cells = [c for c, _, _ in plans]
         if not sum(c.size for c in cells):
             return 0
@@ -320,10 +410,10 @@ class Recall:
         return n
 
     def _plan_slot(self, s: int, q: np.ndarray, att: np.ndarray, lse_res: np.ndarray, tp: np.ndarray,
-                   protect: np.ndarray):
+                   protect: np.ndarray, N: int):
         """Slot s's swaps: (cells to overwrite, store entries to bring, their keys as floats).
         q [I, r, d] the queries, att [I, r, n_keep] their attention over the compacted cells."""
-        st, N = self.store, self.config.pages
+        st = self.store
         pos = st.pos[s]
         counts = st.counts[s]
         live = np.flatnonzero(counts > 0)
