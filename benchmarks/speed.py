@@ -15,6 +15,10 @@ and the default, entrokv-edge):
 - a prompt of 16k tokens through a 2048-cell EntroKVLlama cache (budget 1024) against the
   full 16k cache (once); the evictions between its pieces are guided by its last tokens (the
   option guide), whose cost is reported apart (guide_s).
+The modes "entrokv-edge+recall" and "entrokv-edge+recall-file" (``--policies``) run the default with
+the recall tier on, its store in host memory or in a file (a temporary directory): their decode
+includes the recalls every 4 tokens, whose own wall time is reported apart (recall_s), and their
+memory the store's bytes (store_bytes, and store_bytes_in_memory).
 KV bytes: what llama.cpp allocated for the cache, and what the page accounting says is
 held after the last eviction.
 """
@@ -31,6 +35,7 @@ from pathlib import Path
 FULL = dict(lengths=[2048, 4096, 8192], long=16384, long_cells=2048, long_budget=1024, repeats=3)
 QUICK = dict(lengths=[512], long=2048, long_cells=512, long_budget=256, repeats=1)
 POLICIES = ("page-entrokv", "entrokv-edge")
+RECALL_MODES = ("entrokv-edge+recall", "entrokv-edge+recall-file")
 
 
 def _peak_rss_mib() -> float:
@@ -58,8 +63,11 @@ def _one(spec: dict) -> dict:
         llm = ek.llama_cpp.Llama(path, n_ctx=spec["cells"], n_batch=512, verbose=False, seed=0,
                                  n_threads=H.threads(), n_threads_batch=H.threads())
     else:
-        llm = ek.EntroKVLlama(path, n_ctx=spec["cells"], n_batch=512, budget=spec["budget"], policy=spec["mode"],
-                              verbose=False, seed=0,
+        import tempfile
+        policy, _, recall = spec["mode"].partition("+")
+        store_dir = tempfile.mkdtemp(prefix="entrokv-speed-") if recall == "recall-file" else None
+        llm = ek.EntroKVLlama(path, n_ctx=spec["cells"], n_batch=512, budget=spec["budget"], policy=policy,
+                              verbose=False, seed=0, recall={"directory": store_dir} if recall else None,
                               logical_ctx=spec["tokens"] + 256, n_threads=H.threads(), n_threads_batch=H.threads())
     t0 = time.perf_counter()
     llm.eval(toks)                       # EntroKVLlama evicts to the budget after the prompt
@@ -78,6 +86,8 @@ def _one(spec: dict) -> dict:
                    kv_bytes_full=rep["kv_bytes_full"], kv_bytes_kept=rep["kv_bytes_kept"],
                    guided_evictions=rep["guided_evictions"], guide_s=rep["guide_s"],
                    drafted_tokens=rep["drafted_tokens"])
+        if rep["recall"]["on"]:
+            out.update({f"recall_{k}": v for k, v in rep["recall"].items()})
     llm.close()
     return out
 
@@ -119,9 +129,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, help="rounds of the prefill runs (default: 3, --quick: 1)")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES + RECALL_MODES)
     ap.add_argument("--json")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--lengths", type=int, nargs="+", help="prefill lengths (default: 2k, 4k, 8k; --quick 512)")
     args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(_one(json.loads(args.one))))
@@ -130,7 +141,8 @@ def main(argv=None) -> int:
     repeats = g["repeats"] if args.repeats is None else args.repeats
     if repeats < 1:
         ap.error("--repeats must be at least 1")
-    rows = run(args.model, g["lengths"], g["long"], g["long_cells"], g["long_budget"], repeats, args.policies)
+    rows = run(args.model, args.lengths or g["lengths"], g["long"], g["long_cells"], g["long_budget"], repeats,
+               args.policies)
     for r in rows:
         print(f"{r['part']:7} {r['mode']:12} {r['tokens']:6d} tokens, {r['kv_cells']:6d} cells: prefill "
               f"{r['prefill_tok_s']:6.0f} tok/s, decode {r['decode_tok_s']:5.1f} tok/s, KV allocated "

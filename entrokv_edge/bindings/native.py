@@ -253,13 +253,14 @@ def _cell_lists(cells, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
     return lens, np.ascontiguousarray(flat)
 
 
-def read_cells(llm, cells) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def read_cells(llm, cells, g: KVGeometry | None = None, buffers: bool = False):
     """The rows of ``cells`` (n_slots lists of cell indices, one per (layer, KV head) slot):
     (k, v), each a list of n_slots uint8 arrays [len, bytes per row]: the slot's K and V
     slices of those cells, in the cache's own types (V in row form even when the cache
-    stores it transposed). Reads only."""
+    stores it transposed). Reads only. ``g``: the cache's geometry, if the caller has it;
+    ``buffers``: (k, v) as the two uint8 buffers the lists would be views of, slot after slot."""
     ffi, lib = _api()
-    g = geometry(llm)
+    g = g or geometry(llm)
     lens, flat = _cell_lists(cells, g.n_slots)
     kb, vb = _row_bytes(g)
     k = np.empty(int((lens * kb).sum()), np.uint8)
@@ -267,19 +268,21 @@ def read_cells(llm, cells) -> tuple[list[np.ndarray], list[np.ndarray]]:
     _check(lib.llama_entrokv_read_cells(context_pointer(llm), g.n_slots, ffi.from_buffer("int32_t[]", lens),
                                         ffi.from_buffer("int32_t[]", flat), ffi.from_buffer("char[]", k), k.size,
                                         ffi.from_buffer("char[]", v), v.size))
+    if buffers:
+        return k, v
     ko, vo = np.cumsum(lens * kb)[:-1], np.cumsum(lens * vb)[:-1]
     return ([a.reshape(n, r) for a, n, r in zip(np.split(k, ko), lens, kb)],
             [a.reshape(n, r) for a, n, r in zip(np.split(v, vo), lens, vb)])
 
 
-def write_cells(llm, cells, true_pos, k, v) -> None:
+def write_cells(llm, cells, true_pos, k, v, g: KVGeometry | None = None) -> None:
     """Write rows into compacted cells: for slot s, cell ``cells[s][j]`` receives the K and V
     slices ``k[s][j]`` and ``v[s][j]`` (uint8 rows as ``read_cells`` gives them) and from
     now on holds true position ``true_pos[s][j]`` for that slot. Refused (EntroKVError, the
     cache untouched) unless every cell is a compacted cell, listed once, and every slot's
-    true positions stay distinct."""
+    true positions stay distinct. ``g``: the cache's geometry, if the caller has it."""
     ffi, lib = _api()
-    g = geometry(llm)
+    g = g or geometry(llm)
     lens, flat = _cell_lists(cells, g.n_slots)
     _, tp = _cell_lists(true_pos, g.n_slots)
     if [len(np.asarray(t)) for t in true_pos] != lens.tolist():

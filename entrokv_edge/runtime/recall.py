@@ -68,143 +68,140 @@ def recall_config(value) -> RecallConfig | None:
     raise TypeError(f"recall must be True, False, a dict or a RecallConfig, got {value!r}")
 
 
-class _FileRows:
-    """One slot's rows of a store kept in a file: a view over the file's segments (one per
-    eviction, [n_slots, m, width] bytes each, memory-mapped); ``rows[idx]`` reads, ``rows[idx] = x``
-    writes, only the pages of the file it touches come into memory."""
+class _Rows:
+    """Rows of every slot, [n_slots, M, width] bytes, as segments (one per eviction): arrays in host
+    memory, or parts of a file, memory-mapped (only the pages a recall touches come into memory)."""
 
-    def __init__(self, segs: list, s: int, width: int):
-        self.segs, self.s, self.width = segs, s, width
+    def __init__(self, n_slots: int, width: int, file=None):
+        self.n_slots, self.width, self.file = n_slots, width, file
+        self.segs: list[tuple[int, np.ndarray]] = []      # (first entry, array or memmap [n_slots, m, width])
+        self.n = 0
 
-    def __len__(self) -> int:
-        return sum(m.shape[1] for _, m in self.segs)
+    def append(self, block: np.ndarray) -> None:
+        """A new segment (one per eviction: nothing already stored is copied)."""
+        if self.file is None:
+            self.segs.append((self.n, np.ascontiguousarray(block, np.uint8)))
+        else:
+            self.file.seek(0, 2)
+            off = self.file.tell()
+            self.file.write(np.ascontiguousarray(block).tobytes())
+            self.file.flush()
+            self.segs.append((self.n, np.memmap(self.file, np.uint8, "r+", offset=off, shape=block.shape)))
+        self.n += block.shape[1]
 
-    def _where(self, idx):
-        idx = np.arange(len(self))[idx] if not isinstance(idx, np.ndarray) or idx.dtype == bool else idx
+    def _parts(self, e: np.ndarray):
         starts = np.array([a for a, _ in self.segs])
-        return np.atleast_1d(idx), np.searchsorted(starts, np.atleast_1d(idx), side="right") - 1, starts
-
-    def __getitem__(self, idx) -> np.ndarray:
-        scalar = np.ndim(idx) == 0 and not isinstance(idx, slice)
-        idx, seg, starts = self._where(idx)
-        out = np.empty((idx.size, self.width), np.uint8)
+        seg = np.searchsorted(starts, e, side="right") - 1
         for j in np.unique(seg):
-            at = seg == j
-            out[at] = self.segs[j][1][self.s, idx[at] - starts[j], : self.width]
-        return out[0] if scalar else out
+            yield seg == j, self.segs[j][1], starts[j]
 
-    def __setitem__(self, idx, rows) -> None:
-        idx, seg, starts = self._where(idx)
-        rows = np.asarray(rows, np.uint8).reshape(idx.size, self.width)
-        for j in np.unique(seg):
-            at = seg == j
-            self.segs[j][1][self.s, idx[at] - starts[j], : self.width] = rows[at]
+    def gather(self, si: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Rows (si[i], e[i]) for arrays of the same shape: [..., width]."""
+        if len(self.segs) == 1:
+            return self.segs[0][1][si, e]
+        out = np.empty(e.shape + (self.width,), np.uint8)
+        for at, mm, a in self._parts(e):
+            out[at] = mm[si[at], e[at] - a]
+        return out
+
+    def scatter(self, si: np.ndarray, e: np.ndarray, rows: np.ndarray) -> None:
+        for at, mm, a in self._parts(e):
+            mm[si[at], e[at] - a] = rows[at]
+
+    def __getitem__(self, s: int) -> np.ndarray:
+        """Slot s's rows [M, width] (a copy for a file)."""
+        e = np.arange(self.n)
+        return self.gather(np.full_like(e, s), e)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return len(self), self.width
-
-    def __array__(self, dtype=None, copy=None):
-        return self[:] if dtype is None else self[:].astype(dtype)
+    def nbytes(self) -> int:
+        return self.n_slots * self.n * self.width
 
 
 class Store:
-    """The evicted tokens of every slot. Each slot holds the same number of entries (an eviction
+    """The evicted tokens of every slot. Each slot holds the same number M of entries (an eviction
     takes as many tokens from every group buffer, a recall swaps one for one).
 
-    Per slot s: ``pos[s]`` int32 [M] true positions, ``k[s]`` / ``v[s]`` [M, row bytes] (the
-    cache's bytes: uint8 arrays in host memory, or views of a memory-mapped file in ``directory``),
-    ``sums[s]`` float32 [pages, head_dim] and ``counts[s]`` int [pages]: the sum of the keys (as
-    floats) and the number of tokens of each page of true positions in the store. The digests
-    (sums / counts) and positions stay in host memory either way."""
+    ``pos`` int32 [S, M] true positions; ``k``, ``v`` (_Rows) [S, M, row bytes]: the cache's bytes, in
+    host memory or in a file in ``directory``; ``sums`` float32 [S, pages, head_dim] and ``counts``
+    [S, pages]: the sum of the keys (as floats) and the number of tokens of each page of true
+    positions in the store (the digest is sums / counts). Positions and digests stay in memory."""
 
-    def __init__(self, n_slots: int, page_size: int, type_k: str, directory: str | None = None):
-        self.page, self.type_k = page_size, type_k
-        self.pos = [np.zeros(0, np.int32) for _ in range(n_slots)]
-        self.k: list = [None] * n_slots
-        self.v: list = [None] * n_slots
-        self.sums = [np.zeros((0, 0), np.float32) for _ in range(n_slots)]
-        self.counts = [np.zeros(0, np.int64) for _ in range(n_slots)]
+    def __init__(self, n_slots: int, page_size: int, type_k: str, k_width: int, v_width: int, head_dim: int,
+                 directory: str | None = None):
+        self.page, self.type_k, self.head_dim = page_size, type_k, head_dim
         self.file = None
-        if directory is not None:     # a file of ours, unlinked when the store goes (nothing of the user's is touched)
+        if directory is not None:     # a file of ours without a name: gone with the store, nothing of the user's touched
             import tempfile
             self.file = tempfile.TemporaryFile(dir=directory, prefix="entrokv-store-")
-            self.path = str(directory)
-            self._segs: dict[str, list] = {"k": [], "v": []}
+        self.pos = np.zeros((n_slots, 0), np.int32)
+        self.k, self.v = _Rows(n_slots, k_width, self.file), _Rows(n_slots, v_width, self.file)
+        self.sums = np.zeros((n_slots, 0, head_dim), np.float32)
+        self.counts = np.zeros((n_slots, 0), np.int64)
 
     @property
     def n_tokens(self) -> int:
         """Entries per slot."""
-        return int(self.pos[0].size) if self.pos else 0
+        return int(self.pos.shape[1])
 
     def n_pages(self) -> int:
         """Pages (of true positions) with a token in the store, all slots together."""
-        return int(sum((c > 0).sum() for c in self.counts))
+        return int((self.counts > 0).sum())
 
     def nbytes(self) -> dict:
         """Bytes of the rows (in memory or in the file), the positions and the digests (in memory)."""
-        rows = sum(a.shape[0] * a.shape[1] for a in self.k + self.v if a is not None)
-        digests = sum(int((c > 0).sum()) * (s.shape[1] * 4 + 4) for s, c in zip(self.sums, self.counts))
-        return {"rows": rows, "positions": sum(p.nbytes for p in self.pos), "digests": digests,
-                "in_file": self.file is not None}
+        return {"rows": self.k.nbytes + self.v.nbytes, "positions": self.pos.nbytes,
+                "digests": self.n_pages() * (self.head_dim * 4 + 8), "in_file": self.file is not None}
 
     def close(self) -> None:
         if self.file is not None:
-            self._segs = {"k": [], "v": []}
-            self.k = self.v = [None] * len(self.pos)
+            self.k.segs.clear()
+            self.v.segs.clear()
             self.file.close()
             self.file = None
 
-    def _account(self, s: int, pos: np.ndarray, kf: np.ndarray, sign: int) -> None:
+    def keys(self, k_rows: np.ndarray) -> np.ndarray:
+        """float32 [..., head_dim]: rows of K (uint8 [..., width]) as floats."""
+        flat = k_rows.reshape(-1, k_rows.shape[-1])
+        return rows_to_float(flat, self.type_k).reshape(k_rows.shape[:-1] + (self.head_dim,))
+
+    def _account(self, si: np.ndarray, pos: np.ndarray, kf: np.ndarray, sign: int) -> None:
+        """Add (sign +1) or remove (-1) tokens (slot si[i], position pos[i], key kf[i]) from the digests."""
         pages = pos // self.page
         top = int(pages.max(initial=-1)) + 1
-        if top > self.counts[s].size or self.sums[s].shape[1] != kf.shape[1]:
-            grow = max(top, self.counts[s].size)
-            sums = np.zeros((grow, kf.shape[1]), np.float32)
-            sums[: self.sums[s].shape[0], : self.sums[s].shape[1]] = self.sums[s]
-            counts = np.zeros(grow, np.int64)
-            counts[: self.counts[s].size] = self.counts[s]
-            self.sums[s], self.counts[s] = sums, counts
-        np.add.at(self.sums[s], pages, sign * kf.astype(np.float32))
-        np.add.at(self.counts[s], pages, sign)
-        self.sums[s][pages[self.counts[s][pages] == 0]] = 0.0     # an emptied page: no rounding left behind
+        if top > self.counts.shape[1]:
+            S = self.counts.shape[0]
+            self.sums = np.concatenate([self.sums, np.zeros((S, top - self.sums.shape[1], self.head_dim), np.float32)], 1)
+            self.counts = np.concatenate([self.counts, np.zeros((S, top - self.counts.shape[1]), np.int64)], 1)
+        flat = si * self.counts.shape[1] + pages
+        order = np.argsort(flat, kind="stable")
+        u, starts = np.unique(flat[order], return_index=True)
+        sums = self.sums.reshape(-1, self.head_dim)
+        sums[u] += sign * np.add.reduceat(kf[order].astype(np.float32, copy=False), starts, axis=0)
+        counts = self.counts.reshape(-1)
+        counts[u] += sign * np.diff(np.r_[starts, flat.size])
+        sums[u[counts[u] == 0]] = 0.0                     # an emptied page: no rounding left behind
 
-    def _append_file(self, name: str, rows: list) -> list:
-        """Append one segment [n_slots, m, width] to the file; the slots' views of the rows."""
-        width = max(r.shape[1] for r in rows)
-        m = rows[0].shape[0]
-        block = np.zeros((len(rows), m, width), np.uint8)
-        for s, r in enumerate(rows):
-            block[s, :, : r.shape[1]] = r
-        self.file.seek(0, 2)
-        off = self.file.tell()
-        self.file.write(block.tobytes())
-        self.file.flush()
-        start = len(self.k[0]) if name == "k" and self.k[0] is not None else \
-            len(self.v[0]) if name == "v" and self.v[0] is not None else 0
-        self._segs[name].append((start, np.memmap(self.file, np.uint8, "r+", offset=off, shape=block.shape)))
-        return [_FileRows(self._segs[name], s, r.shape[1]) for s, r in enumerate(rows)]
+    def add(self, pos: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Append tokens to every slot: pos [S, m], k [S, m, k width], v [S, m, v width]."""
+        S, m = pos.shape
+        step = max(1, (4 << 20) // max(1, m * self.head_dim * 4))     # the keys as floats, ~4 MiB at a time
+        for a in range(0, S, step):
+            b = min(S, a + step)
+            si = np.repeat(np.arange(a, b), m)
+            self._account(si, pos[a:b].ravel(), self.keys(k[a:b]).reshape(-1, self.head_dim), +1)
+        self.pos = np.concatenate([self.pos, pos.astype(np.int32)], axis=1)
+        self.k.append(k)
+        self.v.append(v)
 
-    def add(self, pos: list, k: list, v: list) -> None:
-        """Append, per slot, tokens with their true positions and rows (equal counts per slot)."""
-        for s in range(len(self.pos)):
-            self._account(s, pos[s], rows_to_float(k[s], self.type_k), +1)
-            self.pos[s] = np.concatenate([self.pos[s], pos[s].astype(np.int32)])
-        if self.file is not None:
-            self.k, self.v = self._append_file("k", k), self._append_file("v", v)
-            return
-        for s in range(len(self.pos)):
-            self.k[s] = k[s].copy() if self.k[s] is None else np.concatenate([self.k[s], k[s]])
-            self.v[s] = v[s].copy() if self.v[s] is None else np.concatenate([self.v[s], v[s]])
-
-    def replace(self, s: int, idx: np.ndarray, pos: np.ndarray, k: np.ndarray, v: np.ndarray,
+    def replace(self, si: np.ndarray, e: np.ndarray, pos: np.ndarray, k: np.ndarray, v: np.ndarray,
                 kf_old: np.ndarray) -> None:
-        """Entries ``idx`` of slot s (whose keys as floats are ``kf_old``) become the given tokens."""
-        self._account(s, self.pos[s][idx], kf_old, -1)
-        self._account(s, pos, rows_to_float(k, self.type_k), +1)
-        self.pos[s][idx] = pos
-        self.k[s][idx] = k
-        self.v[s][idx] = v
+        """Entries (si[i], e[i]), whose keys as floats are kf_old[i], become the tokens (pos, k, v)."""
+        self._account(si, self.pos[si, e], kf_old, -1)
+        self._account(si, pos, self.keys(k), +1)
+        self.pos[si, e] = pos
+        self.k.scatter(si, e, k)
+        self.v.scatter(si, e, v)
 
 
 def _lse(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -215,8 +212,8 @@ def _lse(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 class Recall:
-    """Observes decoded tokens (``observe``, an Observation handler with window 1) and swaps
-    stored pages into the cache (``step``)."""
+    """Observes decoded tokens (``observe``, an Observation handler with window 1), swaps stored
+    pages into the cache (``step`` every ``every`` tokens, ``turn`` at a new turn)."""
 
     def __init__(self, config: RecallConfig, eviction):
         """``eviction``: the EvictionConfig, whose protected pages (sinks, recent) are never displaced."""
@@ -226,14 +223,22 @@ class Recall:
         P = eviction.page_size
         self.page = -(-config.page_size // P) * P
         self.store: Store | None = None
-        self.steps: list[tuple] = []          # per observed token: (queries [L, H, d], attention [L, H, n_keep])
+        self.steps: list[tuple] = []          # per observed token: (queries [L, H, d], attention [L, H, n_keep],
+                                              # most attended cell [L, H], its weight [L, H])
         self.n_keep = 0                       # compacted cells after the last eviction (set by the runtime)
         self.n_at_eviction = 0                # logical length at the last eviction
         self.recalled = 0                     # tokens brought back, all slots together
         self.n_recalls = 0
-        self.seconds = 0.0
 
     # --- eviction -----------------------------------------------------------------
+
+    def _new_store(self, g) -> Store:
+        kw = {l.k_bytes_per_cell // l.n_head_kv for l in g.layers}
+        vw = {l.v_bytes_per_cell // l.n_head_kv for l in g.layers}
+        hd = {l.head_dim_k for l in g.layers}
+        if len(kw) != 1 or len(vw) != 1 or len(hd) != 1:
+            raise ValueError("recall needs every eligible layer to have the same K and V head sizes")
+        return Store(g.n_slots, self.page, g.type_k, kw.pop(), vw.pop(), hd.pop(), self.config.directory)
 
     def on_evict(self, llm, tp_now: np.ndarray | None, cells: np.ndarray) -> None:
         """Before a compaction that keeps ``cells`` [n_slots, K] (tp_now: the slots' true positions,
@@ -241,20 +246,19 @@ class Recall:
         g = geometry(llm)
         self.n_at_eviction = g.pos_max + 1
         if self.store is None:
-            self.store = Store(g.n_slots, self.page, g.type_k, self.config.directory)
+            self.store = self._new_store(g)
         if tp_now is None:
             tp_now = true_positions(llm)
         held = tp_now >= 0
-        gone = []
-        for s in range(g.n_slots):
-            m = held[s].copy()
-            m[cells[s]] = False
-            gone.append(np.flatnonzero(m).astype(np.int32))
+        held[np.arange(g.n_slots)[:, None], cells] = False
+        gone = [np.flatnonzero(h).astype(np.int32) for h in held]
+        self.steps.clear()
         if not gone[0].size:
             return
-        k, v = read_cells(llm, gone)
-        self.store.add([tp_now[s][gone[s]] for s in range(g.n_slots)], k, v)
-        self.steps.clear()
+        k, v = read_cells(llm, gone, g, buffers=True)      # every slot loses as many tokens: [S, m, width] as read
+        m = gone[0].size
+        self.store.add(np.stack([tp_now[s][gone[s]] for s in range(g.n_slots)]),
+                       k.reshape(g.n_slots, m, -1), v.reshape(g.n_slots, m, -1))
 
     def reset(self) -> None:
         if self.store is not None:
@@ -268,13 +272,11 @@ class Recall:
         st = self.store
         if st is None or not st.n_tokens:
             return {}
-        # rows of different layers may differ in size: each slot's rows padded to the widest
-        def stack(rows):
-            w = max(a.shape[1] for a in rows)
-            return np.stack([np.pad(np.asarray(a), ((0, 0), (0, w - a.shape[1]))) for a in rows])
+        e = np.broadcast_to(np.arange(st.n_tokens), st.pos.shape)
+        si = np.broadcast_to(np.arange(st.pos.shape[0])[:, None], st.pos.shape)
         # the tokens observed since the last recall: a restored session recalls when this one would
         steps = [np.stack([x[i] for x in self.steps]) if self.steps else np.zeros(0) for i in range(4)]
-        return {"recall_pos": np.stack(st.pos), "recall_k": stack(st.k), "recall_v": stack(st.v),
+        return {"recall_pos": st.pos.copy(), "recall_k": st.k.gather(si, e), "recall_v": st.v.gather(si, e),
                 "recall_info": np.array([self.n_keep, self.n_at_eviction], np.int64),
                 "recall_q": steps[0], "recall_att": steps[1], "recall_amax": steps[2], "recall_pmax": steps[3]}
 
@@ -291,17 +293,15 @@ class Recall:
         if (q.size and (att.ndim != 4 or att.shape[:3] != q.shape[:3] or att.shape[3] != int(info[0])
                         or amax.shape != q.shape[:3] or pmax.shape != q.shape[:3] or q.shape[1] != g.n_layers)):
             raise ValueError("its recall store's observed steps do not fit this cache")
-        kb = [l.k_bytes_per_cell // l.n_head_kv for l in g.layers for _ in range(l.n_head_kv)]
-        vb = [l.v_bytes_per_cell // l.n_head_kv for l in g.layers for _ in range(l.n_head_kv)]
+        store = self._new_store(g)
         M = pos.shape[-1] if pos.ndim == 2 else -1
-        if (pos.ndim != 2 or pos.shape[0] != g.n_slots or k.shape[:2] != (g.n_slots, M) or v.shape[:2] != (g.n_slots, M)
-                or k.shape[2] < max(kb) or v.shape[2] < max(vb) or info.shape != (2,) or int(info[0]) != g.n_compacted
+        if (pos.ndim != 2 or pos.shape[0] != g.n_slots or k.shape != (g.n_slots, M, store.k.width)
+                or v.shape != (g.n_slots, M, store.v.width) or info.shape != (2,) or int(info[0]) != g.n_compacted
                 or (M and (pos.min() < 0 or pos.max() > g.pos_max))):
+            store.close()
             raise ValueError("its recall store does not fit this cache")
-        self.store = Store(g.n_slots, self.page, g.type_k, self.config.directory)
-        self.store.add([pos[s].astype(np.int32) for s in range(g.n_slots)],
-                       [np.ascontiguousarray(k[s][:, : kb[s]]) for s in range(g.n_slots)],
-                       [np.ascontiguousarray(v[s][:, : vb[s]]) for s in range(g.n_slots)])
+        store.add(pos.astype(np.int32), np.ascontiguousarray(k, np.uint8), np.ascontiguousarray(v, np.uint8))
+        self.store = store
         self.n_keep, self.n_at_eviction = int(info[0]), int(info[1])
         self.steps = [(q[i], att[i], amax[i], pmax[i]) for i in range(n_steps)]
 
@@ -312,7 +312,7 @@ class Recall:
         compacted cells, and the most attended cell per head (for the log-sum-exp)."""
         if view.queries is None or self.n_keep == 0:
             return
-        a = view.scores[:, :, :]
+        a = view.scores
         amax = a.argmax(-1)                                                   # [L, H]
         pmax = np.take_along_axis(a, amax[..., None], -1)[..., 0]
         self.steps.append((view.queries[:, -1].copy(), np.array(a[:, :, : self.n_keep]), amax, pmax))
@@ -327,50 +327,48 @@ class Recall:
         g = self._ready(llm)
         if not steps or g is None:
             return 0
-        q = np.stack([x[0] for x in steps]).astype(np.float64)            # [I, L, H, d]
-        att = np.stack([x[1] for x in steps])                              # [I, L, H, n_keep]
-        amax = np.stack([x[2] for x in steps])                             # [I, L, H]
-        pmax = np.stack([x[3] for x in steps]).astype(np.float64)
-        G, r = self._groups(g, q.shape[2])
-        # each query's log-sum-exp over the cache: the logit of its most attended cell - log(its weight)
-        ref_cells = [np.unique(amax[:, s // G, (s % G) * r:(s % G + 1) * r]).astype(np.int32) for s in range(g.n_slots)]
-        ref_k, _ = read_cells(llm, ref_cells)
+        S, G, r, sl, hs = self._slots(g, steps[0][0].shape[1])
 
-        def slot(s):
-            l, hs = s // G, slice((s % G) * r, (s % G + 1) * r)
-            qs = q[:, l, hs]                                               # [I, r, d]
-            kref = rows_to_float(ref_k[s], self.store.type_k).astype(np.float64)
-            lref = np.einsum("ird,ird->ir", qs, kref[np.searchsorted(ref_cells[s], amax[:, l, hs])])
-            return qs, att[:, l, hs], lref - np.log(np.maximum(pmax[:, l, hs], 1e-30))
-        return self._swap(llm, g, slot, self.config.pages)
+        def per_slot(i, ss):          # [I, L, H, ...] -> [len(ss), I, r, ...]
+            return np.moveaxis(np.stack([x[i] for x in steps])[:, sl[ss], hs[ss]], 1, 0)
+        amax = per_slot(2, np.arange(S))
+        # each query's log-sum-exp over the cache: the logit of its most attended cell - log(its weight)
+        ref_k, _ = read_cells(llm, list(amax.reshape(S, -1).astype(np.int32)), g)
+
+        def inputs(ss):
+            q = per_slot(0, ss).astype(np.float64)
+            kref = self.store.keys(np.stack([ref_k[s] for s in ss])).reshape(q.shape).astype(np.float64)
+            lse = np.einsum("sird,sird->sir", q, kref) - np.log(np.maximum(per_slot(3, ss).astype(np.float64), 1e-30))
+            return q, per_slot(1, ss), lse
+        return self._swap(llm, g, inputs, len(steps) * r, self.config.pages)
 
     def turn(self, llm, queries: np.ndarray, pos_last: int) -> int:
         """A recall at a new turn, for its observed window's queries (float32 [L, w, H, d], the last
         at position ``pos_last``): their attention over the cache is computed exactly from every held
-        key (read once), then pages are offered as for decoded tokens. Returns the tokens brought back."""
+        key, then ``turn_pages`` pages are offered per buffer. Returns the tokens brought back."""
         self.steps.clear()
         g = self._ready(llm)
         if g is None or queries is None:
             return 0
-        q = np.asarray(queries, np.float64).transpose(1, 0, 2, 3)          # [I, L, H, d]
-        I = q.shape[0]
+        S, G, r, sl, hs = self._slots(g, queries.shape[2])
+        qt = np.asarray(queries).transpose(0, 2, 1, 3)                     # [L, H, I, d]
+        I = qt.shape[2]
         qpos = pos_last - I + 1 + np.arange(I)
-        G, r = self._groups(g, q.shape[2])
         tp = true_positions(llm)
-        cells = [np.flatnonzero(t >= 0).astype(np.int32) for t in tp]
-        k_all, _ = read_cells(llm, cells)
+        cells = np.stack([np.flatnonzero(t >= 0) for t in tp]).astype(np.int32)     # [S, n_held]: the same count
+        held_pos = np.take_along_axis(tp, cells, 1)
+        empty = np.zeros(0, np.int32)
 
-        def slot(s):
-            l, hs = s // G, slice((s % G) * r, (s % G + 1) * r)
-            qs = q[:, l, hs]
-            kf = rows_to_float(k_all[s], self.store.type_k).astype(np.float64)
-            logit = np.einsum("ird,cd->irc", qs, kf)
-            seen = tp[s][cells[s]][None, :] <= qpos[:, None]                 # [I, cells]: causal, by true position
-            logit = np.where(seen[:, None, :], logit, -np.inf)
-            lse = _lse(logit)
-            att = np.exp(logit - lse[:, :, None])[:, :, : self.n_keep]      # compacted cells are cells 0..n_keep-1
-            return qs, att, lse
-        return self._swap(llm, g, slot, self.config.turn_pages)
+        def inputs(ss):
+            q = qt[sl[ss], hs[ss]].transpose(0, 2, 1, 3).astype(np.float64)         # [s, I, r, d]
+            k_rows, _ = read_cells(llm, [cells[s] if s in ss else empty for s in range(S)], g)
+            kf = self.store.keys(np.stack([k_rows[s] for s in ss])).astype(np.float64)
+            logit = np.einsum("sird,scd->sirc", q, kf)
+            seen = held_pos[ss][:, None, :] <= qpos[None, :, None]               # causal, by true position
+            logit = np.where(seen[:, :, None, :], logit, -np.inf)
+            lse = _lse(logit)                                                    # [s, I, r]
+            return q, np.exp(logit[..., : self.n_keep] - lse[..., None]), lse   # compacted cells: 0..n_keep-1
+        return self._swap(llm, g, inputs, I * r, self.config.turn_pages, extra=cells.shape[1])
 
     def _ready(self, llm):
         """The geometry when a recall can run (a store, the compacted layout of the last eviction), else None."""
@@ -381,90 +379,130 @@ class Recall:
         return g if g.n_compacted == self.n_keep else None
 
     @staticmethod
-    def _groups(g, n_head: int) -> tuple[int, int]:
+    def _slots(g, n_head: int):
+        """S, G, r and the index arrays that take [L, H]-shaped data to [S, r]: layer of each slot
+        ``sl`` [S, 1], its query heads ``hs`` [S, r]."""
         G = g.n_slots // g.n_layers
-        return G, n_head // G
+        r = n_head // G
+        s = np.arange(g.n_slots)
+        return g.n_slots, G, r, (s // G)[:, None], (s % G)[:, None] * r + np.arange(r)[None, :]
 
-    def _swap(self, llm, g, slot, n_pages: int) -> int:
-        """Plan every slot's swaps (``slot(s)`` gives its queries [I, r, d], their attention over the
-        compacted cells [I, r, n_keep] and their log-sum-exp over the cache [I, r]), then move the
-        rows: displaced tokens read out, stored ones written in, the store updated."""
-        st, n_keep = self.store, self.n_keep
-        tp = true_positions(llm)[:, :n_keep]
-        P = self.eviction.page_size
-        protect = np.zeros(max(int(tp.max()) + 1, self.n_at_eviction) + P, bool)
-        for p in self.eviction.protected(self.n_at_eviction):            # the last eviction's sinks and recent pages
-            protect[p * P:(p + 1) * P] = True
-        plans = [self._plan_slot(s, *slot(s), tp[s], protect, n_pages) for s in range(g.n_slots)]
-        cells = [c for c, _, _ in plans]
-        if not sum(c.size for c in cells):
-            return 0
-        out_k, out_v = read_cells(llm, cells)             # the displaced tokens, before they are overwritten
-        write_cells(llm, cells, [st.pos[s][i] for s, (_, i, _) in enumerate(plans)],
-                    [st.k[s][i] for s, (_, i, _) in enumerate(plans)], [st.v[s][i] for s, (_, i, _) in enumerate(plans)])
-        for s, (c, i, kf) in enumerate(plans):
-            if c.size:
-                st.replace(s, i, tp[s][c], out_k[s], out_v[s], kf)
-        n = int(sum(c.size for c in cells))
-        self.recalled += n
-        return n
-
-    def _plan_slot(self, s: int, q: np.ndarray, att: np.ndarray, lse_res: np.ndarray, tp: np.ndarray,
-                   protect: np.ndarray, N: int):
-        """Slot s's swaps: (cells to overwrite, store entries to bring, their keys as floats).
-        q [I, r, d] the queries, att [I, r, n_keep] their attention over the compacted cells."""
+    def _swap(self, llm, g, inputs, n_queries: int, n_pages: int, extra: int = 0) -> int:
+        """Plan every slot's swaps, a few slots at a time (their temporaries bounded by CHUNK_BYTES):
+        ``inputs(ss)`` gives slots ss's queries [s, I, r, d], their attention over the compacted cells
+        [s, I, r, n_keep] and their log-sum-exp over the cache [s, I, r]. Then move the rows: displaced
+        tokens read out, stored ones written in, the store updated."""
         st = self.store
-        pos = st.pos[s]
-        counts = st.counts[s]
-        live = np.flatnonzero(counts > 0)
-        if live.size == 0:
-            return np.zeros(0, np.int32), np.zeros(0, np.int64), None
-        mean = st.sums[s][live] / counts[live, None]                        # [P, d]
-        est = np.einsum("ird,pd->irp", q, mean)                             # the digest's logit estimate
-        with np.errstate(over="ignore"):
-            mass = np.minimum(1.0, counts[live] * np.exp(est - lse_res[:, :, None])).sum(0).max(0)
-        short = live[np.argsort(-mass, kind="stable")[:N]]
-        # read the shortlisted pages and score them exactly
-        page_of = pos // self.page
-        idx = np.flatnonzero(np.isin(page_of, short))
-        kf = rows_to_float(st.k[s][idx], st.type_k)
-        logit = np.einsum("ird,td->irt", q, kf.astype(np.float64))          # [I, r, m]
-        lse_seen = np.logaddexp(lse_res, _lse(logit))                       # [I, r]
-        tok = np.exp(logit - lse_seen[:, :, None]).sum(0)                   # [r, m]
-        pages_m = page_of[idx]
-        order = np.argsort(pages_m, kind="stable")
-        idx, kf, tok, pages_m = idx[order], kf[order], tok[:, order], pages_m[order]
-        starts = np.flatnonzero(np.r_[True, pages_m[1:] != pages_m[:-1]])
-        page_score = np.add.reduceat(tok, starts, axis=1).max(0)            # [n short pages]
-        res_score = (att * np.exp(lse_res - lse_seen)[:, :, None]).sum(0).max(0)   # [n_keep]
-        # what can be displaced: whole eviction pages of compacted cells, none protected
+        tp = true_positions(llm)[:, : self.n_keep]
         P = self.eviction.page_size
-        cpage = tp // P
-        order_c = np.argsort(cpage, kind="stable")
-        cstarts = np.flatnonzero(np.r_[True, cpage[order_c][1:] != cpage[order_c][:-1]])
-        cends = np.r_[cstarts[1:], order_c.size]
-        whole = (cends - cstarts == P) & ~protect[tp[order_c[cstarts]]]
-        groups = [order_c[a:b] for a, b, w in zip(cstarts, cends, whole) if w]
-        gscore = np.array([res_score[c].sum() for c in groups])
-        free = np.ones(len(groups), bool)
-        take_cells, take_idx, take_kf = [], [], []
-        ends = np.r_[starts[1:], idx.size]
-        for j in np.argsort(-page_score, kind="stable"):
-            sel = slice(starts[j], ends[j])
-            m = ends[j] - starts[j]
-            if m % P:
-                continue
-            cand = np.flatnonzero(free)
-            if cand.size < m // P:
-                break
-            out = cand[np.argsort(gscore[cand], kind="stable")[: m // P]]
-            if not page_score[j] > gscore[out].sum():
-                break
-            free[out] = False
-            take_cells.append(np.concatenate([groups[i] for i in out]))
-            take_idx.append(idx[sel])
-            take_kf.append(kf[sel])
-        if not take_cells:
-            return np.zeros(0, np.int32), np.zeros(0, np.int64), None
-        return (np.concatenate(take_cells).astype(np.int32), np.concatenate(take_idx),
-                np.concatenate(take_kf))
+        protect = np.zeros(max(int(tp.max()) + 1, self.n_at_eviction) // P + 2, bool)
+        protect[[p for p in self.eviction.protected(self.n_at_eviction)]] = True     # sinks and recent pages
+        per_slot = 8 * 4 * n_queries * (self.n_keep + extra + n_pages * self.page + st.counts.shape[1])
+        chunk = max(1, CHUNK_BYTES // max(per_slot, 1))
+        cells, si, e, kf_old = [], [], [], []
+        for a in range(0, g.n_slots, chunk):
+            ss = np.arange(a, min(a + chunk, g.n_slots))
+            c, i, j, k = plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages)
+            cells += c
+            if i.size:
+                si.append(i), e.append(j), kf_old.append(k)
+        if not si:
+            return 0
+        si, e, kf_old = np.concatenate(si), np.concatenate(e), np.concatenate(kf_old)
+        out_k, out_v = read_cells(llm, cells, g)          # the displaced tokens, before they are overwritten
+        bounds = np.cumsum([0] + [c.size for c in cells])
+        parts = lambda a: [a[bounds[s]: bounds[s + 1]] for s in range(len(cells))]    # noqa: E731
+        write_cells(llm, cells, parts(st.pos[si, e]), parts(st.k.gather(si, e)), parts(st.v.gather(si, e)), g)
+        st.replace(si, e, np.concatenate([tp[s][c] for s, c in enumerate(cells)]),
+                   np.concatenate(out_k), np.concatenate(out_v), kf_old)
+        self.recalled += int(si.size)
+        return int(si.size)
+
+
+CHUNK_BYTES = 16 << 20      # a recall's temporaries per group of slots planned together
+
+
+def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.ndarray, tp: np.ndarray,
+         protect: np.ndarray, P: int, N: int):
+    """The swaps of slots ``ss`` (S of them), all at once.
+
+    q [S, I, r, d] the queries; att [S, I, r, n_keep] their attention over the compacted cells, whose
+    true positions are tp [S, n_keep]; lse_res [S, I, r] their log-sum-exp over the cache; protect
+    [eviction pages] the pages never displaced; P the eviction's page size; N the pages read per slot.
+    Per slot: the digests rank the stored pages by the mass their mean key would get (at most 1 per
+    query and head); the top N are read and scored exactly against the cache (their mass and the
+    resident tokens' after renormalising over both); in that order, a page comes in while its mass
+    beats that of the least attended whole, unprotected eviction pages it displaces.
+    Returns (cells: per slot int32 [n_s], the cells to overwrite; si, e: the store entries coming
+    in, in the same order; kf: their keys as floats)."""
+    S, I, r, _ = q.shape
+    sl = np.arange(S)
+    counts = st.counts[ss]
+    live = counts > 0
+    mean = st.sums[ss] / np.maximum(counts, 1)[..., None]
+    est = np.einsum("sird,spd->sirp", q, mean.astype(np.float64))                  # the digest's logit estimate
+    with np.errstate(over="ignore"):
+        mass = np.minimum(1.0, counts[:, None, None, :] * np.exp(est - lse_res[..., None])).sum(1).max(1)
+    mass = np.where(live, mass, -np.inf)
+    short = np.argsort(-mass, axis=1, kind="stable")[:, :N]                         # [S, N]
+    ok_short = np.take_along_axis(live, short, 1)
+    # the store entries of those pages: [S, N, page] (-1: none)
+    page = st.page
+    pos = st.pos[ss]
+    table = np.full(counts.shape + (page,), -1, np.int64)
+    table[np.broadcast_to(sl[:, None], pos.shape), pos // page, pos % page] = np.arange(st.n_tokens)
+    ent = table[sl[:, None], short]
+    ent[~ok_short] = -1
+    ent = ent.reshape(S, -1)
+    valid = ent >= 0
+    kf = st.keys(st.k.gather(np.broadcast_to(ss[:, None], ent.shape), np.maximum(ent, 0)))   # [S, N*page, d]
+    logit = np.where(valid[:, None, None, :], np.einsum("sird,std->sirt", q, kf.astype(np.float64)), -np.inf)
+    lse_seen = np.logaddexp(lse_res, _lse(logit))                                    # [S, I, r]
+    tok = np.exp(logit - lse_seen[..., None]).sum(1)                                 # [S, r, N*page]
+    m = valid.reshape(S, -1, page).sum(-1)                                           # tokens per read page
+    page_score = tok.reshape(S, r, -1, page).sum(-1).max(1)                          # [S, N]
+    page_score = np.where(m > 0, page_score, -np.inf)
+    res_score = (att * np.exp(lse_res - lse_seen)[..., None]).sum(1).max(1)          # [S, n_keep]
+    # what can be displaced: whole eviction pages of compacted cells, none protected, least attended first
+    gp = tp // P
+    n_gp = int(gp.max()) + 1
+    flat = (sl[:, None] * n_gp + gp).ravel()
+    gsum = np.bincount(flat, weights=res_score.ravel(), minlength=S * n_gp).reshape(S, n_gp)
+    gcnt = np.bincount(flat, minlength=S * n_gp).reshape(S, n_gp)
+    prot = np.zeros(n_gp, bool)
+    prot[: min(n_gp, protect.size)] = protect[:n_gp]
+    gscore = np.where((gcnt == P) & ~prot[None, :], gsum, np.inf)
+    by_score = np.argsort(gscore, axis=1, kind="stable")
+    gsorted = np.take_along_axis(gscore, by_score, 1)
+    cell_tab = np.zeros((S, n_gp, P), np.int64)
+    cell_tab[np.broadcast_to(sl[:, None], tp.shape), gp, tp % P] = np.arange(tp.shape[1])
+    # pages in descending mass; each takes the next m/P groups; the first that does not beat them stops the slot
+    po = np.argsort(-page_score, axis=1, kind="stable")
+    ps = np.take_along_axis(page_score, po, 1)
+    need = np.take_along_axis(m, po, 1)
+    whole = need % P == 0
+    need = need // P
+    c1 = np.cumsum(need, axis=1)
+    c0 = c1 - need
+    gcum = np.concatenate([np.zeros((S, 1)), np.cumsum(np.where(np.isfinite(gsorted), gsorted, 1e300), 1)], 1)
+    fits = c1 <= np.isfinite(gsorted).sum(1, keepdims=True)
+    disp = np.take_along_axis(gcum, np.minimum(c1, n_gp), 1) - np.take_along_axis(gcum, np.minimum(c0, n_gp), 1)
+    take = np.cumprod(whole & fits & (ps > disp) & (need > 0), axis=1).astype(bool)
+    cells, si, e, kfs = [], [], [], []
+    ent3 = ent.reshape(S, -1, page)
+    kf3 = kf.reshape(S, -1, page, kf.shape[-1])
+    for s in range(S):
+        n_take = int(take[s].sum())
+        if not n_take:
+            cells.append(np.zeros(0, np.int32))
+            continue
+        groups = by_score[s, : int(c1[s, n_take - 1])]
+        cells.append(cell_tab[s, groups].ravel().astype(np.int32))
+        j = po[s, :n_take]
+        es, ks = ent3[s, j].ravel(), kf3[s, j].reshape(-1, kf.shape[-1])
+        e.append(es[es >= 0])
+        kfs.append(ks[es >= 0])
+        si.append(np.full(e[-1].size, ss[s]))
+    if not si:
+        return cells, np.zeros(0, np.int64), np.zeros(0, np.int64), None
+    return cells, np.concatenate(si), np.concatenate(e), np.concatenate(kfs)
