@@ -134,3 +134,64 @@ def test_a_follow_up_question_finds_a_fact_the_first_turn_evicted(smollm2):
         answers[recall] = llm.create_chat_completion(msgs, max_tokens=24, temperature=0)["choices"][0]["message"]["content"]
         assert llm.n_evictions >= 1
     assert "4471" in answers[True] and "4471" not in answers[False], answers
+
+
+def reference_plan(st, s, q, att, lse_res, tp, protect, P, N):
+    """One slot's swaps, written plainly (loops): the oracle of recall.plan."""
+    counts, pos = st.counts[s], st.pos[s]
+    live = np.flatnonzero(counts > 0)
+    mean = st.sums[s][live] / counts[live, None]
+    est = np.einsum("ird,pd->irp", q, mean)
+    mass = np.minimum(1.0, counts[live] * np.exp(est - lse_res[:, :, None])).sum(0).max(0)
+    short = live[np.argsort(-mass, kind="stable")[:N]]
+    ents = {p: [j for j in range(pos.size) if pos[j] // st.page == p] for p in short}
+    kf = {j: np.frombuffer(st.k[s][j].tobytes(), np.float32).astype(np.float64) for p in short for j in ents[p]}
+    logits = {j: q @ kf[j] for j in kf}                                  # [I, r] each
+    lse_read = np.log(sum(np.exp(x) for x in logits.values()))
+    lse_seen = np.logaddexp(lse_res, lse_read)
+    score = {p: max(sum(np.exp(logits[j] - lse_seen)[:, h].sum() for j in ents[p]) for h in range(q.shape[1]))
+             for p in short}
+    res = (att * np.exp(lse_res - lse_seen)[:, :, None]).sum(0).max(0)
+    groups = {}
+    for c, t in enumerate(tp):
+        groups.setdefault(t // P, []).append(c)
+    free = sorted((sum(res[c] for c in cs), g) for g, cs in groups.items() if len(cs) == P and not protect[g])
+    cells, taken = [], []
+    for p in sorted(short, key=lambda p: -score[p]):
+        k = len(ents[p]) // P
+        out = free[:k]
+        if len(out) < k or not score[p] > sum(x for x, _ in out):
+            break
+        free = free[k:]
+        cells += [c for _, g in out for c in groups[g]]
+        taken += ents[p]
+    return sorted(cells), sorted(taken)
+
+
+def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan():
+    from entrokv_edge.runtime.recall import Store, plan
+    rng = np.random.default_rng(0)
+    S, I, r, d, P, page, N, n = 6, 4, 3, 8, 4, 16, 5, 640
+    st = Store(S, page, "f32", 4 * d, 4 * d, d)
+    resident, stored = [], []
+    for s in range(S):       # every slot: 40 whole eviction pages resident (some protected), the rest stored
+        pages = rng.permutation(n // P)
+        resident.append(np.sort(np.concatenate([np.arange(p * P, p * P + P) for p in pages[:40]])))
+        stored.append(np.concatenate([np.arange(p * P, p * P + P) for p in pages[40:]]))
+    keys = rng.normal(size=(S, n - 160, d)).astype(np.float32)
+    st.add(np.stack(stored), keys.view(np.uint8).reshape(S, n - 160, 4 * d), np.zeros((S, n - 160, 4), np.uint8))
+    tp = np.stack([rng.permutation(x) for x in resident])          # cells hold resident tokens in any order
+    q = rng.normal(size=(S, I, r, d)) * 0.2
+    att = rng.dirichlet(np.ones(tp.shape[1]) * 50, size=(S, I, r)) * 0.8
+    lse = rng.normal(size=(S, I, r)) + 6.0                     # pages and resident tokens close: some slots stop early
+    protect = np.zeros(n // P + 2, bool)
+    protect[[0, 1, n // P - 1]] = True
+    cells, si, e, kf = plan(st, np.arange(S), q, att, lse, tp, protect, P, N)
+    pages_in = []
+    for s in range(S):
+        want_cells, want_entries = reference_plan(st, s, q[s], att[s], lse[s], tp[s], protect, P, N)
+        assert sorted(cells[s].tolist()) == want_cells and sorted(e[si == s].tolist()) == want_entries, f"slot {s}"
+        assert np.array_equal(kf[si == s], keys[s][e[si == s]])
+        pages_in.append(len({int(p) // page for p in st.pos[s][want_entries]}))
+    # the comparison covers slots that took pages and slots whose resident tokens won before N pages came in
+    assert max(pages_in) > 0 and min(pages_in) < N, pages_in
