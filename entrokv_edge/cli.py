@@ -398,7 +398,7 @@ def cmd_run(args) -> int:
            "kv_bytes_kept": rep["kv_bytes_kept"], "uor_mean": m.get("uor_mean"), "uor_max": m.get("uor_max"),
            "evictions": rep["evictions"], "eviction_s": rep["eviction_s"], "guided_evictions": rep["guided_evictions"],
            "guide_s": rep["guide_s"], "prefill_tok_s": n_prefill / max(t_pre, 1e-9),
-           "decode_tok_s": n_dec / max(t_dec, 1e-9) if n_dec else 0.0}
+           "decode_tok_s": n_dec / max(t_dec, 1e-9) if n_dec else 0.0, "recall": rep["recall"]}
     if args.json:
         print(json.dumps(out))
     else:

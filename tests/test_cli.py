@@ -45,6 +45,18 @@ def test_run_json_has_the_fields_scripts_use(smollm2, doc):
     assert 1.0 <= d["uor_mean"] <= d["uor_max"] <= 3.0 and d["policy"] == "page-entrokv"
 
 
+def test_run_recall_flag_turns_the_store_on_and_off(smollm2, doc):
+    common = ["run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 1024, "--budget", 0.2,
+              "--json", "--max-tokens", 8]
+    rc, out, err = cli(*common, "--recall")
+    assert rc == 0, err
+    rec = json.loads(out)["recall"]
+    assert rec["on"] and rec["where"] == "memory" and rec["store_tokens_per_group"] > 0 and rec["recalls"] >= 1
+    rc, out, err = cli(*common, "--no-recall")
+    assert rc == 0, err
+    assert json.loads(out)["recall"] == {"on": False}
+
+
 def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc, tmp_path):
     """Research settings through --set and --config: same kept tokens for every exact-budget policy."""
     common = ["run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 1024, "--json",
