@@ -39,7 +39,7 @@ class RecallConfig:
     pages: int = 8
     page_size: int = 16
     directory: str | None = None
-    turn_pages: int = 8
+    turn_pages: int = 128
 
     def __post_init__(self):
         import os
