@@ -118,22 +118,30 @@ def test_recall_settings_are_checked(model):
     assert ek.EntroKVLlama(model, n_ctx=256, recall=True, **SETTINGS).recall.config == RecallConfig()
 
 
-def test_a_follow_up_question_finds_a_fact_the_first_turn_evicted(smollm2):
+def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm2):
     """The issue's example: a ~600-token document with a password in the first turn, a 256-token
-    budget, the question in the second turn. Without recall SmolLM2 answers wrongly."""
+    budget, the question as the second turn. The question's recall brings the password's tokens
+    back into buffers that had lost them; without recall they stay lost."""
     from pathlib import Path
     words = (Path(__file__).parents[1] / "docs" / "sample.txt").read_text().split()
     doc = " ".join(words[:200]) + " The password for the blue safe is 4471. " + " ".join(words[200:420])
-    answers = {}
+    held = {}
     for recall in (False, True):
         llm = ek.EntroKVLlama(str(smollm2), n_ctx=512, budget=256, recall=recall, verbose=False, seed=0,
                               n_threads=2, n_threads_batch=2)
         msgs = [{"role": "user", "content": f"Here is a document:\n{doc}\nSummarize it in one sentence."}]
-        r = llm.create_chat_completion(msgs, max_tokens=40, temperature=0)
+        r = llm.create_chat_completion(msgs, max_tokens=16, temperature=0)
+        ids = list(llm.input_ids[: llm.n_tokens])
+        digits = llm.tokenize(b" 4471", add_bos=False)
+        at = next(i for i in range(len(ids)) if ids[i: i + len(digits)] == digits)
+        fact = set(range(at, at + len(digits)))
+        before = (np.isin(ek.true_positions(llm), list(fact))).sum()
         msgs += [r["choices"][0]["message"], {"role": "user", "content": "What is the password for the blue safe?"}]
-        answers[recall] = llm.create_chat_completion(msgs, max_tokens=24, temperature=0)["choices"][0]["message"]["content"]
+        llm.create_chat_completion(msgs, max_tokens=1, temperature=0)     # the turn, then one token
+        held[recall] = (before, int(np.isin(ek.true_positions(llm), list(fact)).sum()))
         assert llm.n_evictions >= 1
-    assert "4471" in answers[True] and "4471" not in answers[False], answers
+    assert held[False][1] <= held[False][0]                # without recall: nothing comes back
+    assert held[True][1] > held[True][0] + 10, held        # the question's recall brings the digits back
 
 
 def reference_plan(st, s, q, att, lse_res, tp, protect, P, N):
