@@ -14,7 +14,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 import entrokv_edge  # noqa: E402,F401  (binds llama_cpp to the patched library first)
-from entrokv_edge import EntroKVLlama, Observation, compact, geometry, value_norms  # noqa: E402
+from entrokv_edge import EntroKVLlama, Observation, compact, geometry, true_positions, value_norms  # noqa: E402
+from entrokv_edge.bindings import read_cells, rows_to_float, write_cells  # noqa: E402
 from entrokv_edge.runtime.rpc import add_servers  # noqa: E402
 from helpers import feed, make_llm, random_keep  # noqa: E402
 
@@ -43,6 +44,15 @@ def main(endpoint: str, model: str, out: str) -> None:
             compact(llm, keep)
             res[f"{cname}/{pname}/scores"] = obs.last.scores
             res[f"{cname}/{pname}/norms"] = value_norms(llm)       # read back from the RPC buffers
+            # rows read out of the RPC buffers, then written back exchanged (cells 8..15 <-> 16..23 of every slot)
+            a, b = np.arange(8, 16), np.arange(16, 24)
+            k, v = read_cells(llm, [np.concatenate([a, b])] * g.n_slots)
+            res[f"{cname}/{pname}/rows_k"] = np.stack([rows_to_float(x, g.type_k) for x in k])
+            res[f"{cname}/{pname}/rows_v"] = np.stack([rows_to_float(x, g.type_v) for x in v])
+            tp = true_positions(llm)
+            write_cells(llm, [np.concatenate([b, a])] * g.n_slots, [tp[s][np.concatenate([a, b])] for s in range(g.n_slots)],
+                        k, v)
+            res[f"{cname}/{pname}/true_pos_written"] = true_positions(llm)[:, :32]
             res[f"{cname}/{pname}/logits"] = feed(llm, llm.tokenize(b" Where is the key?", add_bos=False))
             llm.close()
     for pname in ("cpu", "split"):

@@ -125,6 +125,22 @@ def test_value_norms_read_from_rpc_equal_the_cpu_run(rpc_results, cache, placeme
 
 
 @needs_rpc
+@pytest.mark.parametrize("cache", ["f32", "f16fa"])
+@pytest.mark.parametrize("placement", ["rpc", "split"])
+def test_rows_read_from_and_written_to_rpc_equal_the_cpu_run(rpc_results, cache, placement):
+    """llama_entrokv_read_cells / _write_cells on the RPC buffers (ggml_backend_tensor_get/set): the
+    rows of 16 cells per slot equal the CPU run's; written back exchanged (8 cells for 8), the table
+    and the next logits (above, test_compaction_...) are the CPU run's too."""
+    for part in ("rows_k", "rows_v"):
+        ref, got = rpc_results[f"{cache}/cpu/{part}"], rpc_results[f"{cache}/{placement}/{part}"]
+        assert got.shape == ref.shape and np.abs(ref).max() > 0
+        np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4)
+    tp_ref, tp = rpc_results[f"{cache}/cpu/true_pos_written"], rpc_results[f"{cache}/{placement}/true_pos_written"]
+    assert np.array_equal(tp, tp_ref)
+    assert (tp[:, 8:16] > tp[:, 16:24]).all()       # the exchange happened: ascending lists now descend there
+
+
+@needs_rpc
 def test_long_prompt_through_a_small_cache_split_over_rpc(rpc_results):
     assert int(rpc_results["long/cpu/n_prompt"]) > 3 * 256          # three caches' worth of prompt
     assert int(rpc_results["long/split/evictions"]) >= 3
