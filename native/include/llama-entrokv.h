@@ -143,8 +143,8 @@ LLAMA_API int32_t llama_entrokv_compact(
 //   k, v  : the rows in the same order; k_size / v_size must be exactly the bytes of those rows
 //
 
-// Copy the rows of the listed cells out of the cache. Every cell must hold a token (each
-// slot's list without duplicates). Reads only.
+// Copy the rows of the listed cells out of the cache. Every cell must hold a token (a cell may
+// be listed more than once). Reads only.
 LLAMA_API int32_t llama_entrokv_read_cells(
         struct llama_context * ctx,
         int32_t n_slots,
