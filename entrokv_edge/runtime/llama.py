@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -78,9 +79,9 @@ class EntroKVLlama(llama_cpp.Llama):
     ``window``, ``sinks``, ``recent``, ``tau``, ``policy``, ``page_score``, and entrokv-edge's
     ``pool``, ``spread``, ``decay``, ``consensus``, ``entropy_region``, ``head_pool``,
     ``value_power``, ``lookahead``, ``lookahead_share``; ``guide``, ``guide_share``, ``guide_draft``) or
-    ``eviction=EvictionConfig(...)``; ``recall`` (True, or a dict / RecallConfig of ``every`` and
-    ``pages``: evicted tokens are kept in a store in host memory and brought back while generating,
-    runtime/recall.py; default off); ``logical_ctx`` (the longest conversation accepted,
+    ``eviction=EvictionConfig(...)``; ``recall`` (True, or a dict / RecallConfig: evicted tokens are
+    kept in a store, in host memory or a file, and brought back at new turns and while generating;
+    runtime/recall.py, docs/options.md; default off); ``logical_ctx`` (the longest conversation accepted,
     default: the model's training context); ``progress`` (a callable(done, total) called
     during long prefills); ``rpc_servers`` ("host:port" or a list: llama.cpp RPC servers
     to offload to, with ``n_gpu_layers``; needs a ``-DGGML_RPC=ON`` build).
@@ -137,7 +138,8 @@ class EntroKVLlama(llama_cpp.Llama):
         self.n_guided = 0              # evictions between pieces of a prompt that its guide steered
         self.guide_s = 0.0             # wall time spent evaluating the guide (and its draft) for them
         self.n_drafted = 0             # tokens drafted to score evictions (lookahead's, the guide's), then removed
-        self.recall = Recall(recall_cfg, cfg) if recall_cfg else None
+        me = weakref.ref(self)          # no cycle through the recall: the model is freed when the instance goes
+        self.recall = Recall(recall_cfg, lambda: me().config) if recall_cfg else None
         self._recall_obs: Observation | None = None     # window 1 over decoded tokens, while generating
         self._turn_scores: WindowScores | None = None    # a turn shorter than the window, observed for the recall
         self.recall_s = 0.0            # wall time spent in recalls (reading, scoring, swapping)
@@ -385,6 +387,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self._ensure_ids(self.n_tokens + 1)
         if self._recall_obs is None:
             self._recall_obs = Observation(self, 1, handler=self.recall.observe, keep_last=False)
+            self._recall_obs.llm = weakref.proxy(self)      # it stays with the instance: no cycle back to it
         self._recall_obs.start()
         super().eval(tokens)
         self._recall_obs.raise_pending()
@@ -546,8 +549,6 @@ class EntroKVLlama(llama_cpp.Llama):
             set_last_logits(self, state.logits)
         self._requires_eval = state.logits.size == 0
         self.controller = EvictionController(cfg)
-        if self.recall:
-            self.recall.eviction = cfg
         if state.true_pos.shape[1]:
             restore(self, np.ascontiguousarray(state.true_pos, dtype=np.int32))
         self._window_scores = state.window_scores

@@ -1,22 +1,25 @@
-"""The recall tier: evicted tokens kept outside the attention cache, and brought back while an
-answer is generated when its queries want them.
+"""The recall tier: evicted tokens kept outside the attention cache, and brought back when the
+queries being answered want them.
 
 At every eviction, the tokens that leave a group buffer (a (layer, KV head) slot) go to the
 store: their K and V rows in the cache's own types, their true positions, and per page of
-``page_size`` true positions the mean of its keys (the digest, a float vector per page). While
-the runtime generates, each decoded token is observed (its queries and its attention over the
-cache); every ``every`` tokens, per slot:
+``page_size`` true positions the mean of its keys (the digest, a float vector per page). Then,
+per slot:
 
-1. the digests rank the stored pages by the attention mass their mean key would get from those
-   queries (relative to the cache's own log-sum-exp, taken from the most attended cell);
-2. the top ``pages`` pages are read and scored exactly;
-3. a page comes back when its mass beats the mass of the resident tokens it displaces (the
-   least attended compacted tokens, never a protected sink or recent page), which go to the
-   store in its place.
+- while the runtime generates, each decoded token is observed (its queries and its attention
+  over the cache); every ``every`` tokens the digests rank the stored pages by the attention mass
+  their mean key would get from those queries (relative to the cache's own log-sum-exp, taken
+  from the most attended cell), and the top ``pages`` pages are read and scored exactly;
+- at a new turn, the turn's observed queries score the cache exactly (every held key read once),
+  and ``turn_pages`` pages are read and scored the same way;
+- a page comes back when its mass beats the mass of the resident tokens it displaces (the least
+  attended whole eviction pages, never a protected sink or recent page), which go to the store in
+  its place.
 
 Every group buffer keeps exactly its budget (UOR = 1); positions stay correct, since keys keep
 their RoPE and the true-position table follows every swap. The design and its figures (mean
-key digest, pages of 16, every = 4, pages = 8): docs/research.md, "Recall for evicted pages".
+key digest, pages of 16, every = 4, pages = 8, turn_pages = 128): docs/research.md, "Recall for
+evicted pages".
 """
 from __future__ import annotations
 
@@ -31,9 +34,10 @@ from ..bindings.observe import WindowScores
 @dataclass(frozen=True)
 class RecallConfig:
     """``every``: decoded tokens between two recalls; ``pages``: pages read and offered per
-    (layer, KV group) at each recall; ``page_size``: true positions per page of the store (its
-    own, whatever the eviction's page size); ``directory``: keep the store's rows in a file there
-    (memory-mapped, removed when the store goes) instead of host memory."""
+    (layer, KV group) at each of them; ``turn_pages``: the same at a new turn; ``page_size``: true
+    positions per page of the store (its own, rounded up to whole eviction pages); ``directory``:
+    keep the store's rows in a file there (memory-mapped, removed when the store goes) instead of
+    host memory. Defaults: docs/research.md, "Recall for evicted pages: stage 2"."""
 
     every: int = 4
     pages: int = 8
@@ -216,12 +220,10 @@ class Recall:
     pages into the cache (``step`` every ``every`` tokens, ``turn`` at a new turn)."""
 
     def __init__(self, config: RecallConfig, eviction):
-        """``eviction``: the EvictionConfig, whose protected pages (sinks, recent) are never displaced."""
-        self.config, self.eviction = config, eviction
-        # a store page is whole eviction pages: what leaves and comes back keeps every buffer made of whole
-        # pages, which the next eviction selects from
-        P = eviction.page_size
-        self.page = -(-config.page_size // P) * P
+        """``eviction``: a callable giving the EvictionConfig in force (its page size, and its protected
+        pages - sinks, recent - that are never displaced)."""
+        self.config, self._eviction = config, eviction
+        self.page = config.page_size
         self.store: Store | None = None
         self.steps: list[tuple] = []          # per observed token: (queries [L, H, d], attention [L, H, n_keep],
                                               # most attended cell [L, H], its weight [L, H])
@@ -230,9 +232,17 @@ class Recall:
         self.recalled = 0                     # tokens brought back, all slots together
         self.n_recalls = 0
 
+    @property
+    def eviction(self):
+        return self._eviction()
+
     # --- eviction -----------------------------------------------------------------
 
     def _new_store(self, g) -> Store:
+        # a store page is whole eviction pages: what leaves and comes back keeps every buffer made of whole
+        # pages, which the next eviction selects from
+        P = self.eviction.page_size
+        self.page = -(-self.config.page_size // P) * P
         kw = {l.k_bytes_per_cell // l.n_head_kv for l in g.layers}
         vw = {l.v_bytes_per_cell // l.n_head_kv for l in g.layers}
         hd = {l.head_dim_k for l in g.layers}
