@@ -20,6 +20,10 @@ teacher-forced), for head-independent eviction at 20% (one eviction of the docum
 tokens; the bar of issue 23), and EntroKVLlama reading the document (its final eviction to 20%) then
 the question, without and with recall.
 
+decode (not in the default parts): decode speed after an 8k-token prompt (the essays), a full cache
+against EntroKVLlama at 20% without and with recall, in one process, their steps interleaved token
+by token, 64 tokens each; the recalls' own time is in each row's ``recall``.
+
 Rows carry the commit; results merge by (part, split, model, config).
 
 Round 1 (the rule written before its rows; commit of this text): the follow-up part on the tune split,
@@ -51,8 +55,8 @@ import fidelity as F
 import niah
 
 HERE = Path(__file__).resolve().parent
-FULL = dict(docs=6, length=2048, first_tokens=48, answer_tokens=24, fid_tokens=64)
-QUICK = dict(docs=1, length=768, first_tokens=8, answer_tokens=24, fid_tokens=8)
+FULL = dict(docs=6, length=2048, first_tokens=48, answer_tokens=24, fid_tokens=64, decode_length=8192, decode_tokens=64)
+QUICK = dict(docs=1, length=768, first_tokens=8, answer_tokens=24, fid_tokens=8, decode_length=1024, decode_tokens=8)
 FIRST_TURN = "Summarize the text above in two sentences."
 DEPTHS = (20, 50, 80)
 BUDGET = 0.2
@@ -189,11 +193,46 @@ def fidelity_rows(models, g: dict, commit: str, n_qa: int, n_code: int, configs,
     return rows
 
 
+def decode_rows(models, length: int, tokens: int, commit: str, log=print) -> list[dict]:
+    """Decode speed at ``length`` tokens: a full cache, EntroKVLlama at 20% without and with recall,
+    in one process, their decoding steps interleaved token by token (a busy machine slows all three
+    alike); each step's wall time, and the recalls' own time."""
+    rows = []
+    for model in models:
+        path = str(ek.models.model_path(model))
+        vocab = ek.llama_cpp.Llama(path, vocab_only=True, verbose=False)
+        toks = vocab.tokenize(b" ".join(f.read_bytes() for f in H.essays()[:40]))[:length]
+        del vocab
+        n_ctx = -(-(length + tokens + 64) // 256) * 256
+        runs = {"full": H.load(model, n_ctx), "evicted": _runtime(model, n_ctx, False),
+                "recall": _runtime(model, n_ctx, True)}
+        for llm in runs.values():
+            llm.eval(toks)
+        last = {c: int(np.argmax(H.logits(llm))) for c, llm in runs.items()}
+        spent = dict.fromkeys(runs, 0.0)
+        for i in range(tokens):
+            for c in (list(runs)[i % 3:] + list(runs)[: i % 3]):      # each step starts with another one
+                t0 = time.perf_counter()
+                runs[c].eval([last[c]])
+                spent[c] += time.perf_counter() - t0
+                last[c] = int(np.argmax(H.logits(runs[c])))
+        for c, llm in runs.items():
+            row = {"model": model, "split": "decode", "config": c, "tokens": length, "decoded": tokens,
+                   "decode_tok_s": tokens / spent[c], "commit": commit}
+            if c != "full":
+                rep = llm.kv_report()
+                row.update(kept_tokens=rep["kept_tokens"], recall=rep["recall"])
+            rows.append(row)
+            llm.close()
+        log(f"decode {model} {length}: " + ", ".join(f"{r['config']} {r['decode_tok_s']:.1f} tok/s" for r in rows[-3:]))
+    return rows
+
+
 def summary(rows: list[dict]) -> list[dict]:
     """Per (part, model, config): right answers (followup) or mean KL (fidelity), and the pairs
     against the paired baseline ("evicted": wins, losses)."""
     out = []
-    for part, split, model in sorted({(r["part"], r["split"], r["model"]) for r in rows}):
+    for part, split, model in sorted({(r["part"], r["split"], r["model"]) for r in rows if r["part"] != "decode"}):
         if True:
             mr = [r for r in rows if (r["part"], r["split"], r["model"]) == (part, split, model)]
             key = (lambda r: (r["doc"], r["fact"])) if part == "followup" else (lambda r: r["source"])
@@ -233,8 +272,8 @@ def main(argv=None) -> int:
             ap.error("--docs must be >= 1")
         g["docs"] = args.docs
     parts = [p for p in args.parts.split(",") if p]
-    if not parts or set(parts) - {"followup", "fidelity"}:
-        ap.error("parts: followup, fidelity")
+    if not parts or set(parts) - {"followup", "fidelity", "decode"}:
+        ap.error("parts: followup, fidelity, decode")
     commit, t0 = evidence.commit_id(), time.perf_counter()
     rows = []
     if "followup" in parts:
@@ -243,6 +282,8 @@ def main(argv=None) -> int:
     if "fidelity" in parts:
         rows += [{"part": "fidelity", **r} for r in fidelity_rows(args.models, g, commit, f["n_qa"], f["n_code"],
                                                                   args.configs)]
+    if "decode" in parts:
+        rows += [{"part": "decode", **r} for r in decode_rows(args.models, g["decode_length"], g["decode_tokens"], commit)]
     for s in summary(rows):
         print(s)
     settings = {**g, "budget": BUDGET, "depths": DEPTHS, "splits": SPLITS, "first_turn": FIRST_TURN,
