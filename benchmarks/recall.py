@@ -74,6 +74,15 @@ def _runtime(model: str, n_ctx: int, recall):
                            recall=recall, verbose=False, seed=0, n_threads=H.threads(), n_threads_batch=H.threads())
 
 
+def _since(rep: dict, before: dict) -> dict:
+    """kv_report()["recall"] with its counters (recalls, recalled tokens, seconds) since ``before``."""
+    out = dict(rep["recall"])
+    for k in ("recalls", "recalled_tokens", "recall_s"):
+        if k in out:
+            out[k] -= before["recall"][k]
+    return out
+
+
 def document(llm, i: int, length: int, split: str = "tune") -> tuple[str, list[dict]]:
     """Document i of a split: a haystack of about ``length`` tokens with three facts; (text,
     [{question, number}])."""
@@ -135,7 +144,7 @@ def followup_rows(models, g: dict, commit: str, split: str, configs, log=print) 
                 if cond == "full":
                     ek.llama_cpp.llama_memory_clear(llm._ctx.memory, True)
                 chat = Chat(llm)
-                t0 = time.perf_counter()
+                t0, before = time.perf_counter(), llm.kv_report() if cond != "full" else None
                 chat.ask(f"{text}\n\n{FIRST_TURN}", g["first_tokens"])
                 for j, f in enumerate(facts):
                     ans = chat.ask(f["question"], g["answer_tokens"])
@@ -144,7 +153,7 @@ def followup_rows(models, g: dict, commit: str, split: str, configs, log=print) 
                     if cond != "full":
                         rep = llm.kv_report()
                         row.update(kept_tokens=rep["kept_tokens"], logical_tokens=rep["logical_tokens"],
-                                   evictions=rep["evictions"], recall=rep["recall"])
+                                   evictions=rep["evictions"] - before["evictions"], recall=_since(rep, before))
                     rows.append(row)
                 log(f"followup {model} doc {i} {cond}: " + " ".join(
                     "+" if r["right"] else "-" for r in rows[-3:]) + f" ({time.perf_counter() - t0:.0f} s)")
@@ -178,14 +187,15 @@ def fidelity_rows(models, g: dict, commit: str, n_qa: int, n_code: int, configs,
                          "kept_tokens": int(m["kept_tokens"])})
             for cond, llm in runs.items():
                 llm.reset()
-                t0 = time.perf_counter()
+                t0, before = time.perf_counter(), llm.kv_report()
                 llm.eval(p.prefix)
                 llm.eval(p.suffix)
                 lp = F._follow(llm, H.logits(llm), ref)
                 rep = llm.kv_report()
                 rows.append({**base, "config": cond, "kl_mean": float(np.mean(F._kl(full_lp, lp))),
                              "kept_tokens": int(llm.last_eviction.metrics["kept_tokens"]),
-                             "evictions": rep["evictions"], "recall": rep["recall"], "seconds": time.perf_counter() - t0})
+                             "evictions": rep["evictions"] - before["evictions"], "recall": _since(rep, before),
+                             "seconds": time.perf_counter() - t0})
             log(f"fidelity {model} {p.meta['source']}: " + ", ".join(f"{r['config']} {r['kl_mean']:.3f}"
                                                                      for r in rows[-1 - len(runs):]))
         for llm in (full, *runs.values()):
