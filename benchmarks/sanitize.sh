@@ -53,7 +53,8 @@ echo "sanitize: a deliberate heap overflow is reported: the sanitizers are activ
 if [ $# -eq 0 ]; then
     set -- tests/test_c_api.py tests/test_compaction.py tests/test_refusals.py tests/test_scoring.py \
         tests/test_policies.py tests/test_controller.py tests/test_values.py tests/test_sessions.py \
-        tests/test_threads.py tests/test_soak.py tests/test_fuzz.py -k "not real_models"
+        tests/test_threads.py tests/test_soak.py tests/test_fuzz.py tests/test_rows.py tests/test_recall.py \
+        -k "not real_models and not follow_up"
 fi
 start=$(date +%s)
 set +e
