@@ -34,6 +34,19 @@ NEEDLES = {
 }
 
 
+def fact(kind: str, seed: int) -> tuple[str, str, str, str]:
+    """A fact of ``kind`` drawn with ``seed``: (its sentence, on a line of its own, the question,
+    the expected number, the key)."""
+    keys, (lo, hi), letters, needle, question = NEEDLES[kind]
+    rng = random.Random(seed)                     # draws in this order: key, letter, number, floor
+    key = rng.choice(keys)
+    number = (rng.choice(letters) if letters else "") + str(rng.randrange(lo, hi))
+    fill = {"key": key, "number": number}
+    if "{floor}" in needle:
+        fill["floor"] = rng.randrange(2, 10)
+    return "\n" + needle.format(**fill) + "\n", question.format(**fill), number, key
+
+
 def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str = "magic",
                  question_first: bool = False) -> tuple[H.Prompt, str]:
     """A needle with a key and a number: its prompt (needlehaystack's construction, our needle
@@ -47,14 +60,7 @@ def magic_prompt(llm, length: int, depth: int, offset: int, seed: int, kind: str
     tokens there), instead of the document, a blank line and the question."""
     if kind not in NEEDLES:
         raise ValueError(f"unknown needle kind {kind!r}")
-    keys, (lo, hi), letters, needle, question = NEEDLES[kind]
-    rng = random.Random(seed)                     # draws in this order: key, letter, number, floor
-    key = rng.choice(keys)
-    number = (rng.choice(letters) if letters else "") + str(rng.randrange(lo, hi))
-    fill = {"key": key, "number": number}
-    if "{floor}" in needle:
-        fill["floor"] = rng.randrange(2, 10)
-    needle, question = "\n" + needle.format(**fill) + "\n", question.format(**fill)
+    needle, question, number, key = fact(kind, seed)
     head, tail = H.chat_parts(llm, "" if question_first else question, system=False)
     q_first = H.text_tokens(llm, question + "\n\n") if question_first else []
     head = head + q_first

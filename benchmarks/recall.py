@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import random
 import sys
 import time
 from pathlib import Path
@@ -90,14 +89,9 @@ def document(llm, i: int, length: int, split: str = "tune") -> tuple[str, list[d
     kinds = list(NE.NEEDLES)
     facts, sentences = [], []
     for j in range(3):
-        keys, (lo, hi), letters, needle, question = NE.NEEDLES[kinds[(3 * i + j + seed) % len(kinds)]]
-        rng = random.Random(seed + 1000 * i + j)
-        fill = {"key": rng.choice(keys)}
-        fill["number"] = (rng.choice(letters) if letters else "") + str(rng.randrange(lo, hi))
-        if "{floor}" in needle:
-            fill["floor"] = rng.randrange(2, 10)
-        sentences.append(H.text_tokens(llm, "\n" + needle.format(**fill) + "\n"))
-        facts.append({"question": question.format(**fill), "number": fill["number"]})
+        needle, question, number, _ = NE.fact(kinds[(3 * i + j + seed) % len(kinds)], seed + 1000 * i + j)
+        sentences.append(H.text_tokens(llm, needle))
+        facts.append({"question": question, "number": number})
     ctx = niah.haystack_tokens(llm, length - sum(map(len, sentences)), offset + i)
     doc, last = [], 0
     for d, nt in zip(DEPTHS, sentences):

@@ -371,10 +371,7 @@ class EntroKVLlama(llama_cpp.Llama):
         if self.recall and self.recall.n_keep:  # a new turn: its last queries bring back the pages they want
             ws = self._turn_scores or self._window_scores
             if ws is not None and ws.queries is not None and ws.pos_last == self.n_tokens - 1:
-                t0 = time.perf_counter()
-                self.recall.turn(self, ws.queries, ws.pos_last)
-                self.recall.n_recalls += 1
-                self.recall_s += time.perf_counter() - t0
+                self._timed_recall(self.recall.turn, self, ws.queries, ws.pos_last)
         self._turn_scores = None
 
     def _decode_with_recall(self, tokens: list[int]) -> None:
@@ -392,10 +389,14 @@ class EntroKVLlama(llama_cpp.Llama):
         super().eval(tokens)
         self._recall_obs.raise_pending()
         if self.recall.due():
-            t0 = time.perf_counter()
-            self.recall.step(self)
-            self.recall.n_recalls += 1
-            self.recall_s += time.perf_counter() - t0
+            self._timed_recall(self.recall.step, self)
+
+    def _timed_recall(self, fn, *args) -> None:
+        """One recall (``Recall.step`` or ``Recall.turn``), counted and timed."""
+        t0 = time.perf_counter()
+        fn(*args)
+        self.recall.n_recalls += 1
+        self.recall_s += time.perf_counter() - t0
 
     def _stop_recall_observer(self) -> None:
         if self._recall_obs is not None:

@@ -155,7 +155,7 @@ class Store:
     def nbytes(self) -> dict:
         """Bytes of the rows (in memory or in the file), the positions and the digests (in memory)."""
         return {"rows": self.k.nbytes + self.v.nbytes, "positions": self.pos.nbytes,
-                "digests": self.n_pages() * (self.head_dim * 4 + 8), "in_file": self.file is not None}
+                "digests": self.n_pages() * (self.head_dim * 4 + 8)}
 
     def close(self) -> None:
         if self.file is not None:
@@ -337,7 +337,7 @@ class Recall:
         g = self._ready(llm)
         if not steps or g is None:
             return 0
-        S, G, r, sl, hs = self._slots(g, steps[0][0].shape[1])
+        S, r, sl, hs = self._slots(g, steps[0][0].shape[1])
 
         def per_slot(i, ss):          # [I, L, H, ...] -> [len(ss), I, r, ...]
             return np.moveaxis(np.stack([x[i] for x in steps])[:, sl[ss], hs[ss]], 1, 0)
@@ -360,12 +360,12 @@ class Recall:
         g = self._ready(llm)
         if g is None or queries is None:
             return 0
-        S, G, r, sl, hs = self._slots(g, queries.shape[2])
+        S, r, sl, hs = self._slots(g, queries.shape[2])
         qt = np.asarray(queries).transpose(0, 2, 1, 3)                     # [L, H, I, d]
         I = qt.shape[2]
         qpos = pos_last - I + 1 + np.arange(I)
         tp = true_positions(llm)
-        cells = np.stack([np.flatnonzero(t >= 0) for t in tp]).astype(np.int32)     # [S, n_held]: the same count
+        cells = np.stack([np.flatnonzero(t >= 0) for t in tp]).astype(np.int32)     # [S, held]: the same count
         held_pos = np.take_along_axis(tp, cells, 1)
         empty = np.zeros(0, np.int32)
 
@@ -390,12 +390,12 @@ class Recall:
 
     @staticmethod
     def _slots(g, n_head: int):
-        """S, G, r and the index arrays that take [L, H]-shaped data to [S, r]: layer of each slot
+        """S, r and the index arrays that take [L, H]-shaped data to [S, r]: layer of each slot
         ``sl`` [S, 1], its query heads ``hs`` [S, r]."""
         G = g.n_slots // g.n_layers
         r = n_head // G
         s = np.arange(g.n_slots)
-        return g.n_slots, G, r, (s // G)[:, None], (s % G)[:, None] * r + np.arange(r)[None, :]
+        return g.n_slots, r, (s // G)[:, None], (s % G)[:, None] * r + np.arange(r)[None, :]
 
     def _swap(self, llm, g, inputs, n_queries: int, n_pages: int, extra: int = 0) -> int:
         """Plan every slot's swaps, a few slots at a time (their temporaries bounded by CHUNK_BYTES):
