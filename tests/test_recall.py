@@ -203,3 +203,30 @@ def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan():
         pages_in.append(len({int(p) // page for p in st.pos[s][want_entries]}))
     # the comparison covers slots that took pages and slots whose resident tokens won before N pages came in
     assert max(pages_in) > 0 and min(pages_in) < N, pages_in
+
+
+def test_a_file_store_reads_and_writes_the_rows_a_memory_store_does(tmp_path):
+    """_Rows in a file (positioned reads merged across small gaps, writes per run of adjacent rows)
+    against _Rows in memory: the same segments, random gathers in any order and with repeats, and
+    scatters, give the same bytes."""
+    import tempfile
+    from entrokv_edge.runtime.recall import _Rows
+    rng = np.random.default_rng(3)
+    with tempfile.TemporaryFile(dir=tmp_path) as f:
+        mem, fil = _Rows(5, 24), _Rows(5, 24, f)
+        for m in (7, 1, 30, 12):
+            block = rng.integers(0, 256, (5, m, 24), dtype=np.uint8)
+            mem.append(block)
+            fil.append(block)
+        for _ in range(20):
+            n = int(rng.integers(1, 60))
+            si, e = rng.integers(0, 5, (2, n)), rng.integers(0, mem.n, (2, n))
+            assert np.array_equal(fil.gather(si, e), mem.gather(si, e))
+            pick = np.unique(si[0] * mem.n + e[0])                        # distinct entries to overwrite
+            s2, e2 = pick // mem.n, pick % mem.n
+            rows = rng.integers(0, 256, (pick.size, 24), dtype=np.uint8)
+            mem.scatter(s2, e2, rows)
+            fil.scatter(s2, e2, rows)
+        for s in range(5):
+            assert np.array_equal(fil[s], mem[s])
+        assert fil.gather(np.zeros((0,), int), np.zeros((0,), int)).shape == (0, 24)

@@ -23,6 +23,7 @@ evicted pages".
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,8 +37,8 @@ class RecallConfig:
     """``every``: decoded tokens between two recalls; ``pages``: pages read and offered per
     (layer, KV group) at each of them; ``turn_pages``: the same at a new turn; ``page_size``: true
     positions per page of the store (its own, rounded up to whole eviction pages); ``directory``:
-    keep the store's rows in a file there (memory-mapped, removed when the store goes) instead of
-    host memory. Defaults: docs/research.md, "Recall for evicted pages: stage 2"."""
+    keep the store's rows in a file there (without a name, gone with the store) instead of host
+    memory. Defaults: docs/research.md, "Recall for evicted pages: stage 2"."""
 
     every: int = 4
     pages: int = 8
@@ -46,7 +47,6 @@ class RecallConfig:
     turn_pages: int = 128
 
     def __post_init__(self):
-        import os
         if self.directory is not None:
             d = os.fspath(self.directory)
             if not os.path.isdir(d) or not os.access(d, os.W_OK):
@@ -74,43 +74,58 @@ def recall_config(value) -> RecallConfig | None:
 
 class _Rows:
     """Rows of every slot, [n_slots, M, width] bytes, as segments (one per eviction): arrays in host
-    memory, or parts of a file, memory-mapped (only the pages a recall touches come into memory)."""
+    memory, or parts of a file read and written with positioned I/O (``os.pread`` / ``os.pwrite``).
+    Not memory-mapped: the kernel maps a file's cached neighbours into the process on every fault, so
+    a mapped store would grow the process's resident memory by far more than the pages a recall reads."""
+
+    GAP = 4096      # file reads merge entries closer than this: fewer calls, a few bytes more read
 
     def __init__(self, n_slots: int, width: int, file=None):
         self.n_slots, self.width, self.file = n_slots, width, file
-        self.segs: list[tuple[int, np.ndarray]] = []      # (first entry, array or memmap [n_slots, m, width])
+        self.segs: list[tuple[int, object]] = []      # (first entry, array [n_slots, m, width] | its file offset)
+        self.seg_n: list[int] = []                     # entries per slot in each segment
         self.n = 0
 
     def append(self, block: np.ndarray) -> None:
         """A new segment (one per eviction: nothing already stored is copied)."""
+        block = np.ascontiguousarray(block, np.uint8)
         if self.file is None:
-            self.segs.append((self.n, np.ascontiguousarray(block, np.uint8)))
+            self.segs.append((self.n, block))
         else:
-            self.file.seek(0, 2)
-            off = self.file.tell()
-            self.file.write(np.ascontiguousarray(block).tobytes())
-            self.file.flush()
-            self.segs.append((self.n, np.memmap(self.file, np.uint8, "r+", offset=off, shape=block.shape)))
+            off = os.fstat(self.file.fileno()).st_size
+            _pwrite(self.file.fileno(), block.reshape(-1), off)
+            self.segs.append((self.n, off))
+        self.seg_n.append(block.shape[1])
         self.n += block.shape[1]
 
     def _parts(self, e: np.ndarray):
         starts = np.array([a for a, _ in self.segs])
         seg = np.searchsorted(starts, e, side="right") - 1
         for j in np.unique(seg):
-            yield seg == j, self.segs[j][1], starts[j]
+            yield seg == j, j, starts[j]
+
+    def _offsets(self, j: int, si: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """File offsets of the rows (si, e - segment start) of file segment j."""
+        return self.segs[j][1] + (si.astype(np.int64) * self.seg_n[j] + e) * self.width
 
     def gather(self, si: np.ndarray, e: np.ndarray) -> np.ndarray:
         """Rows (si[i], e[i]) for arrays of the same shape: [..., width]."""
-        if len(self.segs) == 1:
+        if self.file is None and len(self.segs) == 1:
             return self.segs[0][1][si, e]
         out = np.empty(e.shape + (self.width,), np.uint8)
-        for at, mm, a in self._parts(e):
-            out[at] = mm[si[at], e[at] - a]
+        for at, j, a in self._parts(e):
+            if self.file is None:
+                out[at] = self.segs[j][1][si[at], e[at] - a]
+            else:
+                out[at] = _pread_rows(self.file.fileno(), self._offsets(j, si[at], e[at] - a), self.width, self.GAP)
         return out
 
     def scatter(self, si: np.ndarray, e: np.ndarray, rows: np.ndarray) -> None:
-        for at, mm, a in self._parts(e):
-            mm[si[at], e[at] - a] = rows[at]
+        for at, j, a in self._parts(e):
+            if self.file is None:
+                self.segs[j][1][si[at], e[at] - a] = rows[at]
+            else:
+                _pwrite_rows(self.file.fileno(), self._offsets(j, si[at], e[at] - a), rows[at], self.width)
 
     def __getitem__(self, s: int) -> np.ndarray:
         """Slot s's rows [M, width] (a copy for a file)."""
@@ -120,6 +135,46 @@ class _Rows:
     @property
     def nbytes(self) -> int:
         return self.n_slots * self.n * self.width
+
+
+def _pwrite(fd: int, data: np.ndarray, off: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, off)
+        view, off = view[n:], off + n
+
+
+def _pwrite_rows(fd: int, offsets: np.ndarray, rows: np.ndarray, width: int) -> None:
+    """Write rows [n, width] at the file ``offsets`` [n] (distinct), one call per run of adjacent rows."""
+    order = np.argsort(offsets, kind="stable")
+    off, rows = offsets[order], np.ascontiguousarray(rows.reshape(-1, width)[order])
+    cut = np.r_[0, np.flatnonzero(np.diff(off) != width) + 1, off.size]
+    for a, b in zip(cut[:-1].tolist(), cut[1:].tolist()):
+        _pwrite(fd, rows[a:b].reshape(-1), int(off[a]))
+
+
+def _pread_rows(fd: int, offsets: np.ndarray, width: int, gap: int) -> np.ndarray:
+    """Rows of ``width`` bytes at the file ``offsets`` (any shape, any order): [*offsets.shape, width].
+    Sorted, and rows less than ``gap`` bytes apart read in one call."""
+    flat = offsets.ravel()
+    u, inv = np.unique(flat, return_inverse=True)
+    if not u.size:
+        return np.empty(offsets.shape + (width,), np.uint8)
+    cut = np.flatnonzero(np.diff(u) > width + gap) + 1
+    first, last = u[np.r_[0, cut]], u[np.r_[cut, u.size] - 1] + width
+    buf = np.empty(int((last - first).sum()), np.uint8)
+    base = np.r_[0, np.cumsum(last - first)[:-1]]
+    for f, l, b in zip(first.tolist(), last.tolist(), base.tolist()):
+        view, got = memoryview(buf)[b: b + l - f], 0
+        while got < l - f:
+            n = os.preadv(fd, [view[got:]], f + got)
+            if n <= 0:
+                raise OSError(f"recall store file: short read at offset {f + got}")
+            got += n
+    run = np.repeat(np.arange(first.size), np.diff(np.r_[0, cut, u.size]))
+    at = base[run] + (u - first[run])                        # each unique row's place in buf
+    idx = at[inv][:, None] + np.arange(width)[None, :]
+    return buf[idx].reshape(offsets.shape + (width,))
 
 
 class Store:
