@@ -34,6 +34,13 @@ the fewer pages); then the heldout split and the fidelity part run once, on the 
 Its rows (commits bc8dd4d for SmolLM2, 68f73d5 for Gemma 3: the same plan, before and after it was
 vectorised), right answers of 18: full 9 / 15, evicted 0 / 0, recall (8 pages) 1 / 6, recall-turn32
 1 / 9, recall-turn128 1 / 11. recall-turn128 has the most (12), so ``turn_pages`` defaults to 128.
+
+Round 2 (the rule written before its rows): a consensus across buffers at a new turn (RecallConfig's
+research option ``turn_consensus``: a page's mass in every buffer is at least the mean, or the max, of
+its exact masses over the buffers that hold it in their store), on the follow-up part's tune split,
+SmolLM2 and Gemma 3, configurations recall (the defaults, rerun at this commit for the pairs),
+recall-cmean and recall-cmax. A consensus goes on to the held-out split only if it has more right
+answers than recall over both models and loses no model; the one with more right answers, ties: mean.
 """
 from __future__ import annotations
 
@@ -65,7 +72,8 @@ BUDGET = 0.2
 SPLITS = {"tune": (20, 0), "heldout": (40, 500_000)}
 # configurations of the runtime: "evicted" (no recall, today's final eviction), "recall" (the defaults), variants
 CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, "recall-turn32": {"turn_pages": 32},
-           "recall-turn128": {"turn_pages": 128}}
+           "recall-turn128": {"turn_pages": 128}, "recall-cmean": {"turn_consensus": "mean"},
+           "recall-cmax": {"turn_consensus": "max"}}
 
 
 def _runtime(model: str, n_ctx: int, recall):

@@ -45,8 +45,11 @@ class RecallConfig:
     page_size: int = 16
     directory: str | None = None
     turn_pages: int = 128
+    turn_consensus: str | None = None     # research: None, "mean" or "max" (see Recall.turn)
 
     def __post_init__(self):
+        if self.turn_consensus not in (None, "mean", "max"):
+            raise ValueError(f"recall turn_consensus must be None, 'mean' or 'max', got {self.turn_consensus!r}")
         if self.directory is not None:
             d = os.fspath(self.directory)
             if not os.path.isdir(d) or not os.access(d, os.W_OK):
@@ -184,7 +187,7 @@ class Store:
     ``pos`` int32 [S, M] true positions; ``k``, ``v`` (_Rows) [S, M, row bytes]: the cache's bytes, in
     host memory or in a file in ``directory``; ``sums`` float32 [S, pages, head_dim] and ``counts``
     [S, pages]: the sum of the keys (as floats) and the number of tokens of each page of true
-    positions in the store (the digest is sums / counts). Positions and digests stay in memory."""
+    positions in the store; ``means``: the digest, sums / counts. Positions and digests stay in memory."""
 
     def __init__(self, n_slots: int, page_size: int, type_k: str, k_width: int, v_width: int, head_dim: int,
                  directory: str | None = None):
@@ -197,6 +200,7 @@ class Store:
         self.k, self.v = _Rows(n_slots, k_width, self.file), _Rows(n_slots, v_width, self.file)
         self.sums = np.zeros((n_slots, 0, head_dim), np.float32)
         self.counts = np.zeros((n_slots, 0), np.int64)
+        self.means = np.zeros((n_slots, 0, head_dim), np.float32)     # sums / counts, kept up to date
 
     @property
     def n_tokens(self) -> int:
@@ -208,9 +212,10 @@ class Store:
         return int((self.counts > 0).sum())
 
     def nbytes(self) -> dict:
-        """Bytes of the rows (in memory or in the file), the positions and the digests (in memory)."""
+        """Bytes of the rows (in memory or in the file), the positions and the digests (in memory: the
+        sums, counts and means of every page of true positions up to the store's last)."""
         return {"rows": self.k.nbytes + self.v.nbytes, "positions": self.pos.nbytes,
-                "digests": self.n_pages() * (self.head_dim * 4 + 8)}
+                "digests": self.sums.nbytes + self.counts.nbytes + self.means.nbytes}
 
     def close(self) -> None:
         if self.file is not None:
@@ -232,6 +237,7 @@ class Store:
             S = self.counts.shape[0]
             self.sums = np.concatenate([self.sums, np.zeros((S, top - self.sums.shape[1], self.head_dim), np.float32)], 1)
             self.counts = np.concatenate([self.counts, np.zeros((S, top - self.counts.shape[1]), np.int64)], 1)
+            self.means = np.concatenate([self.means, np.zeros((S, top - self.means.shape[1], self.head_dim), np.float32)], 1)
         flat = si * self.counts.shape[1] + pages
         order = np.argsort(flat, kind="stable")
         u, starts = np.unique(flat[order], return_index=True)
@@ -240,6 +246,7 @@ class Store:
         counts = self.counts.reshape(-1)
         counts[u] += sign * np.diff(np.r_[starts, flat.size])
         sums[u[counts[u] == 0]] = 0.0                     # an emptied page: no rounding left behind
+        self.means.reshape(-1, self.head_dim)[u] = sums[u] / np.maximum(counts[u], 1)[:, None]
 
     def add(self, pos: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Append tokens to every slot: pos [S, m], k [S, m, k width], v [S, m, v width]."""
@@ -393,9 +400,10 @@ class Recall:
         if not steps or g is None:
             return 0
         S, r, sl, hs = self._slots(g, steps[0][0].shape[1])
+        stacked = [np.stack([x[i] for x in steps]) for i in range(4)]      # [I, L, H, ...], once
 
         def per_slot(i, ss):          # [I, L, H, ...] -> [len(ss), I, r, ...]
-            return np.moveaxis(np.stack([x[i] for x in steps])[:, sl[ss], hs[ss]], 1, 0)
+            return np.moveaxis(stacked[i][:, sl[ss], hs[ss]], 1, 0)
         amax = per_slot(2, np.arange(S))
         # each query's log-sum-exp over the cache: the logit of its most attended cell - log(its weight)
         ref_k, _ = read_cells(llm, list(amax.reshape(S, -1).astype(np.int32)), g)
@@ -428,12 +436,13 @@ class Recall:
             q = qt[sl[ss], hs[ss]].transpose(0, 2, 1, 3).astype(np.float64)         # [s, I, r, d]
             k_rows, _ = read_cells(llm, [cells[s] if s in ss else empty for s in range(S)], g)
             kf = self.store.keys(np.stack([k_rows[s] for s in ss])).astype(np.float64)
-            logit = np.einsum("sird,scd->sirc", q, kf)
+            logit = _dot(q, kf)
             seen = held_pos[ss][:, None, :] <= qpos[None, :, None]               # causal, by true position
             logit = np.where(seen[:, :, None, :], logit, -np.inf)
             lse = _lse(logit)                                                    # [s, I, r]
             return q, np.exp(logit[..., : self.n_keep] - lse[..., None]), lse   # compacted cells: 0..n_keep-1
-        return self._swap(llm, g, inputs, I * r, self.config.turn_pages, extra=cells.shape[1])
+        return self._swap(llm, g, inputs, I * r, self.config.turn_pages, extra=cells.shape[1],
+                          consensus=self.config.turn_consensus)
 
     def _ready(self, llm):
         """The geometry when a recall can run (a store, the compacted layout of the last eviction), else None."""
@@ -452,11 +461,14 @@ class Recall:
         s = np.arange(g.n_slots)
         return g.n_slots, r, (s // G)[:, None], (s % G)[:, None] * r + np.arange(r)[None, :]
 
-    def _swap(self, llm, g, inputs, n_queries: int, n_pages: int, extra: int = 0) -> int:
+    def _swap(self, llm, g, inputs, n_queries: int, n_pages: int, extra: int = 0, consensus: str | None = None) -> int:
         """Plan every slot's swaps, a few slots at a time (their temporaries bounded by CHUNK_BYTES):
         ``inputs(ss)`` gives slots ss's queries [s, I, r, d], their attention over the compacted cells
         [s, I, r, n_keep] and their log-sum-exp over the cache [s, I, r]. Then move the rows: displaced
-        tokens read out, stored ones written in, the store updated."""
+        tokens read out, stored ones written in, the store updated. ``consensus`` (research, "mean" or
+        "max"): a first pass scores the pages in every slot; a page's score in each slot is then at
+        least the mean (or max) over the slots of its scores (a page that some layers want is offered
+        to all)."""
         st = self.store
         tp = true_positions(llm)[:, : self.n_keep]
         P = self.eviction.page_size
@@ -464,10 +476,19 @@ class Recall:
         protect[[p for p in self.eviction.protected(self.n_at_eviction)]] = True     # sinks and recent pages
         per_slot = 8 * 4 * n_queries * (self.n_keep + extra + n_pages * self.page + st.counts.shape[1])
         chunk = max(1, CHUNK_BYTES // max(per_slot, 1))
+        boost = None
+        if consensus:
+            seen = np.full(st.counts.shape, -np.inf)
+            for a in range(0, g.n_slots, chunk):
+                ss = np.arange(a, min(a + chunk, g.n_slots))
+                plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages, scores_out=seen[a: a + ss.size])
+            scored = np.isfinite(seen)
+            boost = (np.where(scored, seen, 0.0).sum(0) / np.maximum(scored.sum(0), 1) if consensus == "mean"
+                     else seen.max(0))
         cells, si, e, kf_old = [], [], [], []
         for a in range(0, g.n_slots, chunk):
             ss = np.arange(a, min(a + chunk, g.n_slots))
-            c, i, j, k = plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages)
+            c, i, j, k = plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages, boost=boost)
             cells += c
             if i.size:
                 si.append(i), e.append(j), kf_old.append(k)
@@ -484,11 +505,18 @@ class Recall:
         return int(si.size)
 
 
+def _dot(q: np.ndarray, k: np.ndarray, dtype=np.float64) -> np.ndarray:
+    """q [S, I, r, d] . k [S, n, d] -> [S, I, r, n] in ``dtype``, as one batched matrix product."""
+    S, I, r, d = q.shape
+    q = q.reshape(S, I * r, d).astype(dtype, copy=False)
+    return np.matmul(q, k.astype(dtype, copy=False).transpose(0, 2, 1)).reshape(S, I, r, -1)
+
+
 CHUNK_BYTES = 16 << 20      # a recall's temporaries per group of slots planned together
 
 
 def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.ndarray, tp: np.ndarray,
-         protect: np.ndarray, P: int, N: int):
+         protect: np.ndarray, P: int, N: int, boost: np.ndarray | None = None, scores_out: np.ndarray | None = None):
     """The swaps of slots ``ss`` (S of them), all at once.
 
     q [S, I, r, d] the queries; att [S, I, r, n_keep] their attention over the compacted cells, whose
@@ -498,16 +526,19 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     query and head); the top N are read and scored exactly against the cache (their mass and the
     resident tokens' after renormalising over both); in that order, a page comes in while its mass
     beats that of the least attended whole, unprotected eviction pages it displaces.
+    ``boost`` [store pages] (research): a floor under every page's mass, in ranking and exact scoring;
+    ``scores_out`` [S, store pages]: filled with the exact masses of the pages read.
     Returns (cells: per slot int32 [n_s], the cells to overwrite; si, e: the store entries coming
     in, in the same order; kf: their keys as floats)."""
     S, I, r, _ = q.shape
     sl = np.arange(S)
     counts = st.counts[ss]
     live = counts > 0
-    mean = st.sums[ss] / np.maximum(counts, 1)[..., None]
-    est = np.einsum("sird,spd->sirp", q, mean.astype(np.float64))                  # the digest's logit estimate
+    est = _dot(q, st.means[ss], np.float32)          # the digest's logit estimate (it only ranks: float32 will do)
     with np.errstate(over="ignore"):
         mass = np.minimum(1.0, counts[:, None, None, :] * np.exp(est - lse_res[..., None])).sum(1).max(1)
+    if boost is not None:
+        mass = np.maximum(mass, boost[None, : mass.shape[1]])
     mass = np.where(live, mass, -np.inf)
     short = np.argsort(-mass, axis=1, kind="stable")[:, :N]                         # [S, N]
     ok_short = np.take_along_axis(live, short, 1)
@@ -521,12 +552,16 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     ent = ent.reshape(S, -1)
     valid = ent >= 0
     kf = st.keys(st.k.gather(np.broadcast_to(ss[:, None], ent.shape), np.maximum(ent, 0)))   # [S, N*page, d]
-    logit = np.where(valid[:, None, None, :], np.einsum("sird,std->sirt", q, kf.astype(np.float64)), -np.inf)
+    logit = np.where(valid[:, None, None, :], _dot(q, kf), -np.inf)
     lse_seen = np.logaddexp(lse_res, _lse(logit))                                    # [S, I, r]
     tok = np.exp(logit - lse_seen[..., None]).sum(1)                                 # [S, r, N*page]
     m = valid.reshape(S, -1, page).sum(-1)                                           # tokens per read page
     page_score = tok.reshape(S, r, -1, page).sum(-1).max(1)                          # [S, N]
+    if boost is not None:
+        page_score = np.maximum(page_score, boost[short])
     page_score = np.where(m > 0, page_score, -np.inf)
+    if scores_out is not None:
+        scores_out[np.broadcast_to(sl[:, None], short.shape), short] = page_score
     res_score = (att * np.exp(lse_res - lse_seen)[..., None]).sum(1).max(1)          # [S, n_keep]
     # what can be displaced: whole eviction pages of compacted cells, none protected, least attended first
     gp = tp // P
