@@ -230,3 +230,34 @@ def test_a_file_store_reads_and_writes_the_rows_a_memory_store_does(tmp_path):
         for s in range(5):
             assert np.array_equal(fil[s], mem[s])
         assert fil.gather(np.zeros((0,), int), np.zeros((0,), int)).shape == (0, 24)
+
+
+def test_a_consensus_floor_brings_a_page_into_the_slots_that_did_not_ask_for_it():
+    """plan's boost (turn_consensus): scores_out holds the exact page masses it computed; a floor
+    above every resident page's mass under one stored page brings that page into every slot that
+    stores it, and the masses without the floor do not."""
+    from entrokv_edge.runtime.recall import Store, plan
+    rng = np.random.default_rng(1)
+    S, I, r, d, P, page, N, n = 4, 2, 2, 8, 4, 16, 64, 320
+    st = Store(S, page, "f32", 4 * d, 4 * d, d)
+    resident = np.arange(0, 160)                              # the first half resident, the rest stored
+    stored = np.arange(160, n)
+    keys = rng.normal(size=(S, stored.size, d)).astype(np.float32)
+    st.add(np.tile(stored, (S, 1)).astype(np.int32), keys.view(np.uint8).reshape(S, stored.size, 4 * d),
+           np.zeros((S, stored.size, 4), np.uint8))
+    tp = np.tile(resident, (S, 1))
+    q = np.zeros((S, I, r, d))                     # every stored token's logit 0: its weight 1 / (n + stored tokens)
+    att = np.full((S, I, r, resident.size), 2.0 / n)          # every resident token twice a stored one's
+    lse = np.full((S, I, r), np.log(n))
+    protect = np.zeros(n // P + 2, bool)
+    seen = np.full(st.counts.shape, -np.inf)
+    cells, si, e, _ = plan(st, np.arange(S), q, att, lse, tp, protect, P, N, scores_out=seen)
+    assert si.size == 0                                       # a stored page's 16 tokens lose to any 16 resident
+    want = 170 // page                                        # a stored page
+    assert np.allclose(seen[:, want], page * I / (n + stored.size)) and np.isinf(seen[:, 0]).all()
+    boost = np.full(st.counts.shape[1], -np.inf)
+    boost[want] = 10.0
+    cells, si, e, _ = plan(st, np.arange(S), q, att, lse, tp, protect, P, N, boost=boost)
+    for s in range(S):
+        assert sorted(st.pos[s][e[si == s]] // page) == [want] * page
+        assert cells[s].size == page
