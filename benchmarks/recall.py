@@ -41,6 +41,8 @@ its exact masses over the buffers that hold it in their store), on the follow-up
 SmolLM2 and Gemma 3, configurations recall (the defaults, rerun at this commit for the pairs),
 recall-cmean and recall-cmax. A consensus goes on to the held-out split only if it has more right
 answers than recall over both models and loses no model; the one with more right answers, ties: mean.
+Its rows (commit 38ec6af), right answers of 18 (SmolLM2 / Gemma 3): full 9 / 15, recall 1 / 11,
+recall-cmean 1 / 9, recall-cmax 1 / 10. Neither consensus passes: none goes on, the option stays off.
 """
 from __future__ import annotations
 

@@ -98,6 +98,8 @@ def test_sessions_keep_the_store_and_go_on_identically(model, tmp_path):
     for x, y in zip((a.recall.store.pos, a.recall.store.k, a.recall.store.v),
                     (b.recall.store.pos, b.recall.store.k, b.recall.store.v)):
         assert all(np.array_equal(p, q) for p, q in zip(x, y))
+    assert a.recall.steps and [p for _, p in a.recall.steps] == [p for _, p in b.recall.steps]   # mid-interval
+    assert all(np.array_equal(x, y) for (x, _), (y, _) in zip(a.recall.steps, b.recall.steps))
     for _ in range(60):                          # recalls and an eviction on the way, the same in both
         ta, tb = int(np.argmax(logits(a))), int(np.argmax(logits(b)))
         assert ta == tb

@@ -52,6 +52,8 @@ def test_read_cells_match_the_serialized_state(synth_models, model, type_k, type
     for s in range(g.n_slots):
         kr, vr = blob_rows(blob, g, s, cells[s])
         assert np.array_equal(k[s], kr) and np.array_equal(v[s], vr), f"slot {s}"
+    ko, vo = read_cells(llm, cells, keys_only=True)              # no V buffer: the same keys, no V read
+    assert vo is None and all(np.array_equal(a, b) for a, b in zip(ko, k))
     assert state_blob(llm) == blob, "reading changed the cache"
 
 

@@ -42,6 +42,30 @@ def check_against_reference(path, toks, flash_attn, type_k, head_dim):
 
 
 @pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
+def test_an_observation_of_the_queries_only(synth_models, fa):
+    """llama_entrokv_set_query_observer: the same queries as the captured Qcur (scaled), no
+    attention and no cells; the C eviction refuses to run on such an observation."""
+    from entrokv_edge.bindings.native import _api, context_pointer
+    cc = CapturingContext(synth_models["llama-r3"], flash_attn=fa, type_k=0)
+    toks = np.random.default_rng(5).integers(3, 300, 40)
+    try:
+        with Observation(cc.ctx, W, queries_only=True) as obs:
+            cc.decode(toks)
+        s, T = obs.last, len(toks)
+        assert obs.count == 1 and s.window == W and s.pos_last == T - 1
+        assert s.scores.shape == (len(s.layer_ids), s.queries.shape[2], 0) and s.true_pos.shape[1] == 0
+        for li, il in enumerate(s.layer_ids):
+            qs = cc.captured[f"Qcur-{il}"][T - W:] / np.sqrt(32)
+            assert np.abs(s.queries[li] - qs).max() <= 1e-6 * max(1.0, np.abs(qs).max())
+        ffi, lib = _api()
+        prm = ffi.new("struct llama_entrokv_params *", lib.llama_entrokv_default_params())
+        assert lib.llama_entrokv_evict(context_pointer(cc.ctx), 0, prm) == lib.LLAMA_ENTROKV_ERR_INVALID_ARG
+        assert b"queries only" in ffi.string(lib.llama_entrokv_last_error())
+    finally:
+        cc.close()
+
+
+@pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
 @pytest.mark.parametrize("model", ["llama-r1", "llama-r2", "llama-r3", "llama-r6", "qwen2-r3"])
 def test_scores_match_reference_on_synthetic_models(synth_models, model, fa):
     toks = np.random.default_rng(3).integers(3, 300, 80)

@@ -253,26 +253,27 @@ def _cell_lists(cells, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
     return lens, np.ascontiguousarray(flat)
 
 
-def read_cells(llm, cells, g: KVGeometry | None = None, buffers: bool = False):
+def read_cells(llm, cells, g: KVGeometry | None = None, buffers: bool = False, keys_only: bool = False):
     """The rows of ``cells`` (n_slots lists of cell indices, one per (layer, KV head) slot):
     (k, v), each a list of n_slots uint8 arrays [len, bytes per row]: the slot's K and V
     slices of those cells, in the cache's own types (V in row form even when the cache
     stores it transposed). Reads only. ``g``: the cache's geometry, if the caller has it;
-    ``buffers``: (k, v) as the two uint8 buffers the lists would be views of, slot after slot."""
+    ``buffers``: (k, v) as the two uint8 buffers the lists would be views of, slot after slot;
+    ``keys_only``: V is not read (v is None)."""
     ffi, lib = _api()
     g = g or geometry(llm)
     lens, flat = _cell_lists(cells, g.n_slots)
     kb, vb = _row_bytes(g)
     k = np.empty(int((lens * kb).sum()), np.uint8)
-    v = np.empty(int((lens * vb).sum()), np.uint8)
+    v = None if keys_only else np.empty(int((lens * vb).sum()), np.uint8)
     _check(lib.llama_entrokv_read_cells(context_pointer(llm), g.n_slots, ffi.from_buffer("int32_t[]", lens),
                                         ffi.from_buffer("int32_t[]", flat), ffi.from_buffer("char[]", k), k.size,
-                                        ffi.from_buffer("char[]", v), v.size))
+                                        ffi.NULL if keys_only else ffi.from_buffer("char[]", v), 0 if keys_only else v.size))
     if buffers:
         return k, v
     ko, vo = np.cumsum(lens * kb)[:-1], np.cumsum(lens * vb)[:-1]
     return ([a.reshape(n, r) for a, n, r in zip(np.split(k, ko), lens, kb)],
-            [a.reshape(n, r) for a, n, r in zip(np.split(v, vo), lens, vb)])
+            None if keys_only else [a.reshape(n, r) for a, n, r in zip(np.split(v, vo), lens, vb)])
 
 
 def write_cells(llm, cells, true_pos, k, v, g: KVGeometry | None = None) -> None:

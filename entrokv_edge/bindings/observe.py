@@ -62,8 +62,11 @@ def head_slots(n_layers: int, n_head: int, n_head_kv: int) -> np.ndarray:
 
 def _view(ffi, s) -> WindowScores:
     L, H, n_kv, ns = s.n_layers, s.n_head, s.n_kv, s.n_slots
-    scores = np.frombuffer(ffi.buffer(s.scores, L * H * n_kv * 4), dtype=np.float32).reshape(L, H, n_kv)
-    tpos = np.frombuffer(ffi.buffer(s.true_pos, ns * n_kv * 4), dtype=np.int32).reshape(ns, n_kv)
+    if s.scores == ffi.NULL:        # an observation of the queries only
+        scores, tpos = np.zeros((L, H, 0), np.float32), np.zeros((ns, 0), np.int32)
+    else:
+        scores = np.frombuffer(ffi.buffer(s.scores, L * H * n_kv * 4), dtype=np.float32).reshape(L, H, n_kv)
+        tpos = np.frombuffer(ffi.buffer(s.true_pos, ns * n_kv * 4), dtype=np.int32).reshape(ns, n_kv)
     ids = np.frombuffer(ffi.buffer(s.layer_ids, L * 4), dtype=np.int32)
     q = None
     if s.head_dim > 0 and s.queries != ffi.NULL:
@@ -77,15 +80,17 @@ class Observation:
 
     ``handler(view)``, if given, is called inside llama_decode with zero-copy views; it
     must not decode. ``last`` holds a copy of the last observed scores (unless
-    ``keep_last=False``: a handler that reduces every view itself needs no copy). Use as a
-    context manager, or call ``start()`` / ``stop()``.
+    ``keep_last=False``: a handler that reduces every view itself needs no copy). With
+    ``queries_only`` no attention is computed: the views' scores and true_pos have 0 cells, and
+    their queries are the window's. Use as a context manager, or call ``start()`` / ``stop()``.
     """
 
     def __init__(self, llm, window: int, handler: Callable[[WindowScores], None] | None = None,
-                 keep_last: bool = True):
+                 keep_last: bool = True, queries_only: bool = False):
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2**31:
             raise ValueError(f"window must be an integer >= 1 (and within int32), got {window!r}")
         self.llm, self.window, self.handler, self.keep_last = llm, window, handler, keep_last
+        self.queries_only = queries_only
         self.last: WindowScores | None = None
         self.count = 0
         self._error: BaseException | None = None
@@ -112,7 +117,8 @@ class Observation:
 
     def start(self) -> "Observation":
         ffi, lib = _api()
-        _check(lib.llama_entrokv_set_observer(context_pointer(self.llm), self.window, self._cb, ffi.NULL))
+        set_observer = lib.llama_entrokv_set_query_observer if self.queries_only else lib.llama_entrokv_set_observer
+        _check(set_observer(context_pointer(self.llm), self.window, self._cb, ffi.NULL))
         return self
 
     def stop(self) -> None:

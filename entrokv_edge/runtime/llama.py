@@ -375,7 +375,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self._turn_scores = None
 
     def _decode_with_recall(self, tokens: list[int]) -> None:
-        """One decoded token, observed (its queries and attention); every ``every`` tokens, a recall."""
+        """One decoded token, its queries observed; every ``every`` tokens, a recall."""
         self.n_evaluated += 1
         ws = self._window_scores
         if ws is not None and ws.pos_last >= self.n_tokens:
@@ -383,7 +383,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
         self._ensure_ids(self.n_tokens + 1)
         if self._recall_obs is None:
-            self._recall_obs = Observation(self, 1, handler=self.recall.observe, keep_last=False)
+            self._recall_obs = Observation(self, 1, handler=self.recall.observe, keep_last=False, queries_only=True)
             self._recall_obs.llm = weakref.proxy(self)      # it stays with the instance: no cycle back to it
         self._recall_obs.start()
         super().eval(tokens)

@@ -6,12 +6,12 @@ store: their K and V rows in the cache's own types, their true positions, and pe
 ``page_size`` true positions the mean of its keys (the digest, a float vector per page). Then,
 per slot:
 
-- while the runtime generates, each decoded token is observed (its queries and its attention
-  over the cache); every ``every`` tokens the digests rank the stored pages by the attention mass
-  their mean key would get from those queries (relative to the cache's own log-sum-exp, taken
-  from the most attended cell), and the top ``pages`` pages are read and scored exactly;
-- at a new turn, the turn's observed queries score the cache exactly (every held key read once),
-  and ``turn_pages`` pages are read and scored the same way;
+- while the runtime generates, each decoded token's queries are observed (not its attention:
+  that would be a second pass over the cache in every step); every ``every`` tokens those queries
+  score the cache exactly (every held key read once), the digests rank the stored pages by the
+  attention mass their mean key would get (relative to the cache's log-sum-exp), and the top
+  ``pages`` pages are read and scored exactly;
+- at a new turn, the same with the turn's observed queries and ``turn_pages`` pages;
 - a page comes back when its mass beats the mass of the resident tokens it displaces (the least
   attended whole eviction pages, never a protected sink or recent page), which go to the store in
   its place.
@@ -287,8 +287,7 @@ class Recall:
         self.config, self._eviction = config, eviction
         self.page = config.page_size
         self.store: Store | None = None
-        self.steps: list[tuple] = []          # per observed token: (queries [L, H, d], attention [L, H, n_keep],
-                                              # most attended cell [L, H], its weight [L, H])
+        self.steps: list[tuple] = []          # per observed token: (queries [L, H, d], its true position)
         self.n_keep = 0                       # compacted cells after the last eviction (set by the runtime)
         self.n_at_eviction = 0                # logical length at the last eviction
         self.recalled = 0                     # tokens brought back, all slots together
@@ -347,10 +346,10 @@ class Recall:
         e = np.broadcast_to(np.arange(st.n_tokens), st.pos.shape)
         si = np.broadcast_to(np.arange(st.pos.shape[0])[:, None], st.pos.shape)
         # the tokens observed since the last recall: a restored session recalls when this one would
-        steps = [np.stack([x[i] for x in self.steps]) if self.steps else np.zeros(0) for i in range(4)]
+        q = np.stack([x[0] for x in self.steps]) if self.steps else np.zeros(0, np.float32)
         return {"recall_pos": st.pos.copy(), "recall_k": st.k.gather(si, e), "recall_v": st.v.gather(si, e),
                 "recall_info": np.array([self.n_keep, self.n_at_eviction], np.int64),
-                "recall_q": steps[0], "recall_att": steps[1], "recall_amax": steps[2], "recall_pmax": steps[3]}
+                "recall_q": q, "recall_qpos": np.array([x[1] for x in self.steps], np.int64)}
 
     def load(self, llm, a: dict) -> None:
         """Restore a store saved by ``arrays`` into this (emptied) recall, for ``llm``'s cache;
@@ -360,10 +359,11 @@ class Recall:
             return
         g = geometry(llm)
         pos, k, v, info = (np.asarray(a[x]) for x in ("recall_pos", "recall_k", "recall_v", "recall_info"))
-        q, att, amax, pmax = (np.asarray(a[x]) for x in ("recall_q", "recall_att", "recall_amax", "recall_pmax"))
-        n_steps = q.shape[0] if q.ndim == 4 else 0
-        if (q.size and (att.ndim != 4 or att.shape[:3] != q.shape[:3] or att.shape[3] != int(info[0])
-                        or amax.shape != q.shape[:3] or pmax.shape != q.shape[:3] or q.shape[1] != g.n_layers)):
+        q = np.asarray(a["recall_q"])
+        qpos = np.asarray(a["recall_qpos"]) if "recall_qpos" in a else None     # None: saved by an older version
+        n_steps = q.shape[0] if q.ndim == 4 and qpos is not None else 0
+        if n_steps and (qpos.shape != (n_steps,) or q.shape[1] != g.n_layers or qpos.min() < 0
+                        or qpos.max() > g.pos_max):
             raise ValueError("its recall store's observed steps do not fit this cache")
         store = self._new_store(g)
         M = pos.shape[-1] if pos.ndim == 2 else -1
@@ -375,19 +375,16 @@ class Recall:
         store.add(pos.astype(np.int32), np.ascontiguousarray(k, np.uint8), np.ascontiguousarray(v, np.uint8))
         self.store = store
         self.n_keep, self.n_at_eviction = int(info[0]), int(info[1])
-        self.steps = [(q[i], att[i], amax[i], pmax[i]) for i in range(n_steps)]
+        self.steps = [(q[i], int(qpos[i])) for i in range(n_steps)]
 
     # --- generation -----------------------------------------------------------------
 
     def observe(self, view: WindowScores) -> None:
-        """Inside llama_decode, for a decoded token: keep its queries and its attention over the
-        compacted cells, and the most attended cell per head (for the log-sum-exp)."""
+        """Inside llama_decode, for a decoded token (an observation of its queries only): keep its
+        queries and position."""
         if view.queries is None or self.n_keep == 0:
             return
-        a = view.scores
-        amax = a.argmax(-1)                                                   # [L, H]
-        pmax = np.take_along_axis(a, amax[..., None], -1)[..., 0]
-        self.steps.append((view.queries[:, -1].copy(), np.array(a[:, :, : self.n_keep]), amax, pmax))
+        self.steps.append((view.queries[:, -1].copy(), int(view.pos_last)))
 
     def due(self) -> bool:
         return self.store is not None and self.store.n_tokens > 0 and len(self.steps) >= self.config.every
@@ -396,53 +393,48 @@ class Recall:
         """One recall from the decoded tokens observed since the last; returns the tokens brought
         back (all slots together)."""
         steps, self.steps = self.steps, []
-        g = self._ready(llm)
-        if not steps or g is None:
+        if not steps:
             return 0
-        S, r, sl, hs = self._slots(g, steps[0][0].shape[1])
-        stacked = [np.stack([x[i] for x in steps]) for i in range(4)]      # [I, L, H, ...], once
-
-        def per_slot(i, ss):          # [I, L, H, ...] -> [len(ss), I, r, ...]
-            return np.moveaxis(stacked[i][:, sl[ss], hs[ss]], 1, 0)
-        amax = per_slot(2, np.arange(S))
-        # each query's log-sum-exp over the cache: the logit of its most attended cell - log(its weight)
-        ref_k, _ = read_cells(llm, list(amax.reshape(S, -1).astype(np.int32)), g)
-
-        def inputs(ss):
-            q = per_slot(0, ss).astype(np.float64)
-            kref = self.store.keys(np.stack([ref_k[s] for s in ss])).reshape(q.shape).astype(np.float64)
-            lse = np.einsum("sird,sird->sir", q, kref) - np.log(np.maximum(per_slot(3, ss).astype(np.float64), 1e-30))
-            return q, per_slot(1, ss), lse
-        return self._swap(llm, g, inputs, len(steps) * r, self.config.pages)
+        return self._exact(llm, np.stack([q for q, _ in steps], 1), np.array([p for _, p in steps]),
+                           self.config.pages)
 
     def turn(self, llm, queries: np.ndarray, pos_last: int) -> int:
         """A recall at a new turn, for its observed window's queries (float32 [L, w, H, d], the last
-        at position ``pos_last``): their attention over the cache is computed exactly from every held
-        key, then ``turn_pages`` pages are offered per buffer. Returns the tokens brought back."""
+        at position ``pos_last``); ``turn_pages`` pages are offered per buffer. Returns the tokens
+        brought back."""
         self.steps.clear()
+        if queries is None:
+            return 0
+        I = queries.shape[1]
+        return self._exact(llm, queries, pos_last - I + 1 + np.arange(I), self.config.turn_pages,
+                           self.config.turn_consensus)
+
+    def _exact(self, llm, queries: np.ndarray, qpos: np.ndarray, n_pages: int, consensus: str | None = None) -> int:
+        """A recall for queries float32 [L, I, H, d] at true positions qpos [I]: their attention over
+        the cache is computed exactly from every held key (causal by true position), then ``n_pages``
+        pages are offered per buffer."""
         g = self._ready(llm)
-        if g is None or queries is None:
+        if g is None:
             return 0
         S, r, sl, hs = self._slots(g, queries.shape[2])
         qt = np.asarray(queries).transpose(0, 2, 1, 3)                     # [L, H, I, d]
         I = qt.shape[2]
-        qpos = pos_last - I + 1 + np.arange(I)
         tp = true_positions(llm)
         cells = np.stack([np.flatnonzero(t >= 0) for t in tp]).astype(np.int32)     # [S, held]: the same count
         held_pos = np.take_along_axis(tp, cells, 1)
         empty = np.zeros(0, np.int32)
 
-        def inputs(ss):
+        def inputs(ss):                 # _swap plans slots in contiguous runs a..b-1
+            a, b = int(ss[0]), int(ss[-1]) + 1
             q = qt[sl[ss], hs[ss]].transpose(0, 2, 1, 3).astype(np.float64)         # [s, I, r, d]
-            k_rows, _ = read_cells(llm, [cells[s] if s in ss else empty for s in range(S)], g)
-            kf = self.store.keys(np.stack([k_rows[s] for s in ss])).astype(np.float64)
-            logit = _dot(q, kf)
+            k_rows, _ = read_cells(llm, [cells[s] if a <= s < b else empty for s in range(S)], g, keys_only=True)
+            kf = self.store.keys(np.stack(k_rows[a:b]))
+            logit = _dot(q, kf, np.float32).astype(np.float64)
             seen = held_pos[ss][:, None, :] <= qpos[None, :, None]               # causal, by true position
             logit = np.where(seen[:, :, None, :], logit, -np.inf)
             lse = _lse(logit)                                                    # [s, I, r]
             return q, np.exp(logit[..., : self.n_keep] - lse[..., None]), lse   # compacted cells: 0..n_keep-1
-        return self._swap(llm, g, inputs, I * r, self.config.turn_pages, extra=cells.shape[1],
-                          consensus=self.config.turn_consensus)
+        return self._swap(llm, g, inputs, I * r, n_pages, extra=cells.shape[1], consensus=consensus)
 
     def _ready(self, llm):
         """The geometry when a recall can run (a store, the compacted layout of the last eviction), else None."""

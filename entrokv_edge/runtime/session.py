@@ -28,7 +28,7 @@ FORMAT = "entrokv-session-2"
 # the arrays of a session file, besides "meta" (the JSON header) and "meta_sha256"
 _ARRAYS = ("llama_state", "logits", "input_ids", "true_pos")
 _WS = ("ws_scores", "ws_true_pos", "ws_layers", "ws_info")
-_RECALL = ("recall_pos", "recall_k", "recall_v", "recall_info", "recall_q", "recall_att", "recall_amax", "recall_pmax")
+_RECALL = ("recall_pos", "recall_k", "recall_v", "recall_info", "recall_q", "recall_qpos")
 
 
 class SessionError(ValueError):
@@ -135,7 +135,10 @@ def read(path: str | os.PathLike) -> EntroKVState:
     if "meta_sha256" not in arrays or bytes(arrays["meta_sha256"]).decode("ascii", "replace") != _sha(arrays["meta"]):
         raise SessionError(f"{name}: damaged session file (its header's checksum does not match)")
     sums = meta.get("checksums", {})
-    want = set(_ARRAYS) | ({*_WS} if "ws_scores" in sums else set()) | ({*_RECALL} if "recall_pos" in sums else set())
+    # recall_qpos: absent from a store saved before the decoded tokens' attention was computed at the recall
+    # (it kept their attention instead): the store loads, those tokens' queries do not
+    recall = {*_RECALL} - ({"recall_qpos"} if "recall_qpos" not in sums else set())
+    want = set(_ARRAYS) | ({*_WS} if "ws_scores" in sums else set()) | (recall if "recall_pos" in sums else set())
     for k in sorted(want):
         if k not in arrays or k not in sums:
             raise SessionError(f"{name}: damaged session file (array {k!r} is missing)")

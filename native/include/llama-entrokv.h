@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LLAMA_ENTROKV_API_VERSION 3
+#define LLAMA_ENTROKV_API_VERSION 4
 
 enum llama_entrokv_status {
     LLAMA_ENTROKV_OK                  =   0,
@@ -144,7 +144,7 @@ LLAMA_API int32_t llama_entrokv_compact(
 //
 
 // Copy the rows of the listed cells out of the cache. Every cell must hold a token (a cell may
-// be listed more than once). Reads only.
+// be listed more than once). Reads only. v_out NULL with v_size 0: the K rows only (API 4).
 LLAMA_API int32_t llama_entrokv_read_cells(
         struct llama_context * ctx,
         int32_t n_slots,
@@ -212,6 +212,16 @@ typedef void (*llama_entrokv_observer)(void * user_data, const struct llama_entr
 // Observe every following ubatch that has >= window tokens (window 0: stop observing).
 // cb may be NULL: the scores are then only kept for llama_entrokv_last_scores.
 LLAMA_API int32_t llama_entrokv_set_observer(
+        struct llama_context * ctx,
+        int32_t window,
+        llama_entrokv_observer cb,
+        void * user_data);
+
+// Observe only the queries of every following ubatch that has >= window tokens: no attention is
+// computed, so the observer sees scores == NULL, n_kv == 0 and true_pos == NULL, and queries as
+// above (window 0: stop observing, as llama_entrokv_set_observer(ctx, 0, ...)). A decoded token's
+// attention over the cache is a second pass over every cached key; its queries are a copy.
+LLAMA_API int32_t llama_entrokv_set_query_observer(
         struct llama_context * ctx,
         int32_t window,
         llama_entrokv_observer cb,

@@ -77,7 +77,8 @@ struct llama_entrokv_access {
 
     // rows of (slot, cell) pairs (llama-entrokv-rows.cpp); plan_rows makes the checks both share
     static int32_t plan_rows  (llama_context * ctx, struct entrokv_rows_plan & p, int32_t n_slots, const int32_t * lens,
-                               const int32_t * cells, const void * k, size_t k_size, const void * v, size_t v_size);
+                               const int32_t * cells, const void * k, size_t k_size, const void * v, size_t v_size,
+                               bool keys_only);
     static int32_t read_cells (llama_context * ctx, int32_t n_slots, const int32_t * lens, const int32_t * cells,
                                void * k_out, size_t k_size, void * v_out, size_t v_size);
     static int32_t write_cells(llama_context * ctx, int32_t n_slots, const int32_t * lens, const int32_t * cells,
@@ -86,7 +87,8 @@ struct llama_entrokv_access {
     // observation (llama-entrokv-observe.cpp)
     static void    after_ubatch   (llama_context & lctx, const llm_graph_result * res, const struct llama_ubatch & ubatch);
     static void    on_context_free(llama_context * lctx);
-    static int32_t set_observer   (llama_context * ctx, int32_t window, void (*cb)(void *, const struct llama_entrokv_scores *), void * user_data);
+    static int32_t set_observer   (llama_context * ctx, int32_t window, bool queries_only,
+                                   void (*cb)(void *, const struct llama_entrokv_scores *), void * user_data);
     static int32_t last_scores    (llama_context * ctx, const struct llama_entrokv_scores ** out);
 };
 

@@ -30,10 +30,14 @@
 
 // the name prefix of the query outputs (the scores are "entrokv_scores-<il>")
 #define ENTROKV_Q_PREFIX "entrokv_q-"
+// cparams.entrokv_window: the window, and this bit when only the queries are observed (a different
+// graph: the graph parameters compare the whole value)
+#define ENTROKV_QUERIES_ONLY 0x80000000u
 
 void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_mask,
         ggml_tensor * sinks, float kq_scale, int il) {
-    const int64_t w = g.cparams.entrokv_window;
+    const bool    q_only = (g.cparams.entrokv_window & ENTROKV_QUERIES_ONLY) != 0;
+    const int64_t w      = g.cparams.entrokv_window & ~ENTROKV_QUERIES_ONLY;
     if (w <= 0 || q->ne[2] < w || k->ne[3] != 1 || g.arch == LLM_ARCH_GROK) {
         return;
     }
@@ -41,38 +45,39 @@ void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_te
     const int64_t T      = q->ne[2];
     const int64_t n_head = q->ne[1];
     const int64_t n_kv   = k->ne[2];
+    if (!q_only) {      // the attention over the cache: the scores
+        // the last w queries: [hd, n_head, w] -> [hd, w, n_head]
+        ggml_tensor * qw = ggml_view_3d(ctx0, q, q->ne[0], n_head, w, q->nb[1], q->nb[2], (T - w) * q->nb[2]);
+        qw = ggml_permute(ctx0, qw, 0, 2, 1, 3);
+        // cached keys [hd, n_head_kv, n_kv] -> [hd, n_kv, n_head_kv]; mul_mat broadcasts query head h to KV head h / r
+        ggml_tensor * kp = ggml_permute(ctx0, ggml_view_3d(ctx0, k, k->ne[0], k->ne[1], n_kv, k->nb[1], k->nb[2], 0), 0, 2, 1, 3);
 
-    // the last w queries: [hd, n_head, w] -> [hd, w, n_head]
-    ggml_tensor * qw = ggml_view_3d(ctx0, q, q->ne[0], n_head, w, q->nb[1], q->nb[2], (T - w) * q->nb[2]);
-    qw = ggml_permute(ctx0, qw, 0, 2, 1, 3);
-    // cached keys [hd, n_head_kv, n_kv] -> [hd, n_kv, n_head_kv]; mul_mat broadcasts query head h to KV head h / r
-    ggml_tensor * kp = ggml_permute(ctx0, ggml_view_3d(ctx0, k, k->ne[0], k->ne[1], n_kv, k->nb[1], k->nb[2], 0), 0, 2, 1, 3);
+        ggml_tensor * kq = ggml_mul_mat(ctx0, kp, qw);                    // [n_kv, w, n_head]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        if (g.hparams.attn_soft_cap) {
+            kq = ggml_scale(ctx0, kq, 1.0f / g.hparams.f_attn_logit_softcapping);
+            kq = ggml_tanh (ctx0, kq);
+            kq = ggml_scale(ctx0, kq, g.hparams.f_attn_logit_softcapping);
+        }
+        // the mask rows of the window queries
+        ggml_tensor * mask = ggml_view_4d(ctx0, kq_mask, kq_mask->ne[0], w, 1, 1,
+                kq_mask->nb[1], kq_mask->nb[2], kq_mask->nb[3], (T - w) * kq_mask->nb[1]);
+        kq = ggml_soft_max_ext(ctx0, kq, mask, kq_scale, g.hparams.f_max_alibi_bias);
+        ggml_soft_max_add_sinks(kq, sinks);
 
-    ggml_tensor * kq = ggml_mul_mat(ctx0, kp, qw);                    // [n_kv, w, n_head]
-    ggml_prec_set_acc(kq, GGML_PREC_F32);
-    if (g.hparams.attn_soft_cap) {
-        kq = ggml_scale(ctx0, kq, 1.0f / g.hparams.f_attn_logit_softcapping);
-        kq = ggml_tanh (ctx0, kq);
-        kq = ggml_scale(ctx0, kq, g.hparams.f_attn_logit_softcapping);
+        // mean over the window queries: [n_kv, w, n_head] -> [w, n_kv, n_head] -> sum -> [n_kv, n_head]
+        ggml_tensor * t = ggml_cont(ctx0, ggml_permute(ctx0, kq, 1, 0, 2, 3));
+        t = ggml_sum_rows(ctx0, t);
+        t = ggml_scale(ctx0, t, 1.0f / (float) w);
+        t = ggml_reshape_2d(ctx0, t, n_kv, n_head);
+        ggml_format_name(t, "entrokv_scores-%d", il);
+        // an output: the allocator must not reuse its memory, and backends must not fuse it away
+        ggml_set_output(t);
+
+        ggml_build_forward_expand(g.gf, t);
+        g.res->t_entrokv.push_back(t);
+        g.res->t_entrokv_il.push_back(il);
     }
-    // the mask rows of the window queries
-    ggml_tensor * mask = ggml_view_4d(ctx0, kq_mask, kq_mask->ne[0], w, 1, 1,
-            kq_mask->nb[1], kq_mask->nb[2], kq_mask->nb[3], (T - w) * kq_mask->nb[1]);
-    kq = ggml_soft_max_ext(ctx0, kq, mask, kq_scale, g.hparams.f_max_alibi_bias);
-    ggml_soft_max_add_sinks(kq, sinks);
-
-    // mean over the window queries: [n_kv, w, n_head] -> [w, n_kv, n_head] -> sum -> [n_kv, n_head]
-    ggml_tensor * t = ggml_cont(ctx0, ggml_permute(ctx0, kq, 1, 0, 2, 3));
-    t = ggml_sum_rows(ctx0, t);
-    t = ggml_scale(ctx0, t, 1.0f / (float) w);
-    t = ggml_reshape_2d(ctx0, t, n_kv, n_head);
-    ggml_format_name(t, "entrokv_scores-%d", il);
-    // an output: the allocator must not reuse its memory, and backends must not fuse it away
-    ggml_set_output(t);
-
-    ggml_build_forward_expand(g.gf, t);
-    g.res->t_entrokv.push_back(t);
-    g.res->t_entrokv_il.push_back(il);
 
     // the window's queries, scaled as attention scales them: [hd, n_head, w], one more output
     // (told apart from the scores by its name when the ubatch is done)
@@ -119,7 +124,7 @@ void llama_entrokv_access::on_context_free(llama_context * lctx) {
     g_obs.erase(lctx);
 }
 
-int32_t llama_entrokv_access::set_observer(llama_context * ctx, int32_t window,
+int32_t llama_entrokv_access::set_observer(llama_context * ctx, int32_t window, bool queries_only,
         void (*cb)(void *, const llama_entrokv_scores *), void * user_data) {
     entrokv_target t;
     if (int32_t rc = resolve(ctx, t)) {
@@ -142,8 +147,9 @@ int32_t llama_entrokv_access::set_observer(llama_context * ctx, int32_t window,
         st->cb        = cb;
         st->user_data = user_data;
     }
-    if (ctx->cparams.entrokv_window != (uint32_t) window) {
-        ctx->cparams.entrokv_window = (uint32_t) window;
+    const uint32_t value = (uint32_t) window | (queries_only && window > 0 ? ENTROKV_QUERIES_ONLY : 0u);
+    if (ctx->cparams.entrokv_window != value) {
+        ctx->cparams.entrokv_window = value;
         // a different graph topology: no reuse (graph params compare the window) and a new reservation
         ctx->sched_need_reserve = true;
     }
@@ -172,30 +178,29 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
         return;
     }
     const llama_kv_cache & kv = *t.kv;
-    // the outputs of each observed layer: its scores, then its queries
+    // the outputs of each observed layer: its scores (unless only the queries are observed), then its queries
     std::vector<ggml_tensor *> ts, tq;
-    st->layer_ids.clear();
+    std::vector<int32_t> il_s, il_q;
     for (size_t i = 0; i < res->t_entrokv.size(); ++i) {
         ggml_tensor * x = res->t_entrokv[i];
-        if (strncmp(x->name, ENTROKV_Q_PREFIX, strlen(ENTROKV_Q_PREFIX)) == 0) {
-            tq.push_back(x);
-        } else {
-            ts.push_back(x);
-            st->layer_ids.push_back(res->t_entrokv_il[i]);
-        }
+        const bool is_q = strncmp(x->name, ENTROKV_Q_PREFIX, strlen(ENTROKV_Q_PREFIX)) == 0;
+        (is_q ? tq : ts).push_back(x);
+        (is_q ? il_q : il_s).push_back(res->t_entrokv_il[i]);
     }
-    const int32_t n_layers = (int32_t) ts.size();
-    const int64_t n_kv     = ts[0]->ne[0];
-    const int64_t n_head   = ts[0]->ne[1];
+    const bool    q_only   = ts.empty();
+    st->layer_ids          = q_only ? il_q : il_s;
+    const int32_t n_layers = (int32_t) st->layer_ids.size();
+    const int64_t n_kv     = q_only ? 0 : ts[0]->ne[0];
+    const int64_t n_head   = q_only ? tq[0]->ne[1] : ts[0]->ne[1];
     const int32_t ns       = n_slots(kv);
     // queries only when every layer has them with one head size
-    int64_t hd = tq.size() == ts.size() ? tq[0]->ne[0] : 0;
+    int64_t hd = tq.size() == (size_t) n_layers ? tq[0]->ne[0] : 0;
     for (ggml_tensor * x : tq) {
         if (x->ne[0] != hd || x->ne[1] != n_head) {
             hd = 0;
         }
     }
-    const int64_t w = (int64_t) lctx.cparams.entrokv_window;
+    const int64_t w = (int64_t) (lctx.cparams.entrokv_window & ~ENTROKV_QUERIES_ONLY);
 
     auto get = [&](ggml_tensor * x, float * dst) {
         ggml_backend_t be = ggml_backend_sched_get_tensor_backend(lctx.sched.get(), x);
@@ -206,7 +211,7 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
         }
     };
     st->scores.resize((size_t) n_layers * n_head * n_kv);
-    for (int32_t i = 0; i < n_layers; ++i) {
+    for (int32_t i = 0; !q_only && i < n_layers; ++i) {
         GGML_ASSERT(ts[i]->ne[0] == n_kv && ts[i]->ne[1] == n_head);
         get(ts[i], st->scores.data() + (size_t) i * n_head * n_kv);
     }
@@ -226,12 +231,12 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
     v.n_head_kv = n_layers > 0 ? ns / n_layers : 0;
     v.n_kv      = (int32_t) n_kv;
     v.n_slots   = ns;
-    v.window    = (int32_t) lctx.cparams.entrokv_window;
+    v.window    = (int32_t) w;
     v.n_tokens  = (int32_t) ubatch.n_tokens;
     v.pos_last  = ubatch.pos ? ubatch.pos[ubatch.n_tokens - 1] : -1;
     v.layer_ids = st->layer_ids.data();
-    v.scores    = st->scores.data();
-    v.true_pos  = st->true_pos.data();
+    v.scores    = q_only ? nullptr : st->scores.data();
+    v.true_pos  = q_only ? nullptr : st->true_pos.data();
     v.head_dim  = (int32_t) hd;
     v.queries   = hd > 0 ? st->queries.data() : nullptr;
     st->have    = true;
@@ -244,7 +249,11 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
 extern "C" {
 
 int32_t llama_entrokv_set_observer(llama_context * ctx, int32_t window, llama_entrokv_observer cb, void * user_data) {
-    return llama_entrokv_access::set_observer(ctx, window, cb, user_data);
+    return llama_entrokv_access::set_observer(ctx, window, false, cb, user_data);
+}
+
+int32_t llama_entrokv_set_query_observer(llama_context * ctx, int32_t window, llama_entrokv_observer cb, void * user_data) {
+    return llama_entrokv_access::set_observer(ctx, window, true, cb, user_data);
 }
 
 int32_t llama_entrokv_last_scores(llama_context * ctx, const llama_entrokv_scores ** out) {

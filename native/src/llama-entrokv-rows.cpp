@@ -125,7 +125,9 @@ void move_all(const entrokv_rows_plan & p, bool write, const int32_t * cells, ch
             }
             const uint32_t c0 = (uint32_t) cells[j];
             move_rows(li.k, write, k + ko, c0, m, li.k->nb[1], (size_t) h * li.k_row, li.k_row, span);
-            if (p.v_trans) {
+            if (v == nullptr) {
+                // keys only (a read)
+            } else if (p.v_trans) {
                 move_rows_vtrans(li.v, write, v + vo, c0, m, h, li.hd_v, p.kv_size, span);
             } else {
                 move_rows(li.v, write, v + vo, c0, m, li.v->nb[1], (size_t) h * li.v_row, li.v_row, span);
@@ -140,7 +142,7 @@ void move_all(const entrokv_rows_plan & p, bool write, const int32_t * cells, ch
 } // namespace
 
 int32_t llama_entrokv_access::plan_rows(llama_context * ctx, entrokv_rows_plan & p, int32_t n_slots_in, const int32_t * lens,
-        const int32_t * cells, const void * k, size_t k_size, const void * v, size_t v_size) {
+        const int32_t * cells, const void * k, size_t k_size, const void * v, size_t v_size, bool keys_only) {
     if (int32_t rc = resolve(ctx, p.t)) {
         return rc;
     }
@@ -186,6 +188,9 @@ int32_t llama_entrokv_access::plan_rows(llama_context * ctx, entrokv_rows_plan &
     if (p.first[ns] > 0 && cells == nullptr) {
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "cells is NULL");
     }
+    if (keys_only) {
+        need_v = 0;
+    }
     if (k_size != need_k || v_size != need_v) {
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BUFFER_SIZE, "the rows take %zu bytes of K and %zu of V, got buffers of %zu and %zu",
                 need_k, need_v, k_size, v_size);
@@ -211,7 +216,8 @@ int32_t llama_entrokv_access::plan_rows(llama_context * ctx, entrokv_rows_plan &
 int32_t llama_entrokv_access::read_cells(llama_context * ctx, int32_t n_slots_in, const int32_t * lens, const int32_t * cells,
         void * k_out, size_t k_size, void * v_out, size_t v_size) {
     entrokv_rows_plan p;
-    if (int32_t rc = plan_rows(ctx, p, n_slots_in, lens, cells, k_out, k_size, v_out, v_size)) {
+    // no V buffer at all: the keys only
+    if (int32_t rc = plan_rows(ctx, p, n_slots_in, lens, cells, k_out, k_size, v_out, v_size, v_out == nullptr && v_size == 0)) {
         return rc;
     }
     llama_synchronize(ctx);     // the last decode may still be writing the cache on an asynchronous backend
@@ -222,7 +228,7 @@ int32_t llama_entrokv_access::read_cells(llama_context * ctx, int32_t n_slots_in
 int32_t llama_entrokv_access::write_cells(llama_context * ctx, int32_t n_slots_in, const int32_t * lens, const int32_t * cells,
         const int32_t * tpos, const void * k_in, size_t k_size, const void * v_in, size_t v_size) {
     entrokv_rows_plan p;
-    if (int32_t rc = plan_rows(ctx, p, n_slots_in, lens, cells, k_in, k_size, v_in, v_size)) {
+    if (int32_t rc = plan_rows(ctx, p, n_slots_in, lens, cells, k_in, k_size, v_in, v_size, false)) {
         return rc;
     }
     llama_kv_cache & kv = *p.t.kv;

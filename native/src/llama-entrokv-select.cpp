@@ -177,6 +177,10 @@ extern "C" int32_t llama_entrokv_evict(llama_context * ctx, llama_seq_id seq_id,
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED,
                 "llama_entrokv_evict needs a never-compacted cache holding positions 0..%d in cells 0..%d", n - 1, n - 1);
     }
+    if (sc->scores == nullptr) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG,
+                "the last observed ubatch has queries only (llama_entrokv_set_query_observer): no attention to evict by");
+    }
     if (sc->pos_last != geo.pos_max || sc->n_kv < n || sc->n_layers != geo.n_layers) {
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG,
                 "the last observed ubatch does not end the prompt (observed up to position %d, the cache holds %d)", sc->pos_last, geo.pos_max);
