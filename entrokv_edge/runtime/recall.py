@@ -292,6 +292,8 @@ class Recall:
         self.n_at_eviction = 0                # logical length at the last eviction
         self.recalled = 0                     # tokens brought back, all slots together
         self.n_recalls = 0
+        self._keys = None                     # float32 [S, n_keep, d]: the compacted cells' keys, kept between
+        self._keys_pos = None                 # recalls, and the true positions they were read for [S, n_keep]
 
     @property
     def eviction(self):
@@ -324,6 +326,7 @@ class Recall:
         held[np.arange(g.n_slots)[:, None], cells] = False
         gone = [np.flatnonzero(h).astype(np.int32) for h in held]
         self.steps.clear()
+        self._keys = self._keys_pos = None    # compaction moves the cells
         if not gone[0].size:
             return
         k, v = read_cells(llm, gone, g, buffers=True)      # every slot loses as many tokens: [S, m, width] as read
@@ -335,6 +338,7 @@ class Recall:
         if self.store is not None:
             self.store.close()
         self.store, self.steps, self.n_keep, self.n_at_eviction = None, [], 0, 0
+        self._keys = self._keys_pos = None
 
     # --- sessions -------------------------------------------------------------------
 
@@ -421,20 +425,36 @@ class Recall:
         I = qt.shape[2]
         tp = true_positions(llm)
         cells = np.stack([np.flatnonzero(t >= 0) for t in tp]).astype(np.int32)     # [S, held]: the same count
-        held_pos = np.take_along_axis(tp, cells, 1)
-        empty = np.zeros(0, np.int32)
+        held_pos = np.take_along_axis(tp, cells, 1)                                  # compacted cells first
+        resident = self._resident_keys(llm, g, tp)
+        later = None                    # the keys of the cells written since the eviction: read now
+        if cells.shape[1] > self.n_keep:
+            k, _ = read_cells(llm, list(cells[:, self.n_keep:]), g, buffers=True, keys_only=True)
+            later = self.store.keys(k.reshape(S, cells.shape[1] - self.n_keep, -1))
 
         def inputs(ss):                 # _swap plans slots in contiguous runs a..b-1
             a, b = int(ss[0]), int(ss[-1]) + 1
             q = qt[sl[ss], hs[ss]].transpose(0, 2, 1, 3).astype(np.float64)         # [s, I, r, d]
-            k_rows, _ = read_cells(llm, [cells[s] if a <= s < b else empty for s in range(S)], g, keys_only=True)
-            kf = self.store.keys(np.stack(k_rows[a:b]))
-            logit = _dot(q, kf, np.float32).astype(np.float64)
+            logit = _dot(q, resident[a:b], np.float32)
+            if later is not None:
+                logit = np.concatenate([logit, _dot(q, later[a:b], np.float32)], -1)
+            logit = logit.astype(np.float64)
             seen = held_pos[ss][:, None, :] <= qpos[None, :, None]               # causal, by true position
             logit = np.where(seen[:, :, None, :], logit, -np.inf)
             lse = _lse(logit)                                                    # [s, I, r]
             return q, np.exp(logit[..., : self.n_keep] - lse[..., None]), lse   # compacted cells: 0..n_keep-1
         return self._swap(llm, g, inputs, I * r, n_pages, extra=cells.shape[1], consensus=consensus)
+
+    def _resident_keys(self, llm, g, tp: np.ndarray) -> np.ndarray:
+        """float32 [S, n_keep, d]: the keys of the compacted cells, read once after an eviction and
+        kept up to date by the swaps (read again if their true positions are not the ones kept)."""
+        now = tp[:, : self.n_keep]
+        if self._keys is None or not np.array_equal(self._keys_pos, now):
+            k, _ = read_cells(llm, [np.arange(self.n_keep, dtype=np.int32)] * g.n_slots, g, buffers=True,
+                              keys_only=True)
+            self._keys = self.store.keys(k.reshape(g.n_slots, self.n_keep, -1))
+            self._keys_pos = now.copy()
+        return self._keys
 
     def _ready(self, llm):
         """The geometry when a recall can run (a store, the compacted layout of the last eviction), else None."""
@@ -490,7 +510,11 @@ class Recall:
         out_k, out_v = read_cells(llm, cells, g)          # the displaced tokens, before they are overwritten
         bounds = np.cumsum([0] + [c.size for c in cells])
         parts = lambda a: [a[bounds[s]: bounds[s + 1]] for s in range(len(cells))]    # noqa: E731
-        write_cells(llm, cells, parts(st.pos[si, e]), parts(st.k.gather(si, e)), parts(st.v.gather(si, e)), g)
+        pos_in = st.pos[si, e]
+        write_cells(llm, cells, parts(pos_in), parts(st.k.gather(si, e)), parts(st.v.gather(si, e)), g)
+        if self._keys is not None:                       # the resident keys follow the swap
+            for s, c in enumerate(cells):
+                self._keys[s, c], self._keys_pos[s, c] = kf_old[bounds[s]: bounds[s + 1]], pos_in[bounds[s]: bounds[s + 1]]
         st.replace(si, e, np.concatenate([tp[s][c] for s, c in enumerate(cells)]),
                    np.concatenate(out_k), np.concatenate(out_v), kf_old)
         self.recalled += int(si.size)
