@@ -268,3 +268,33 @@ def test_a_consensus_floor_brings_a_page_into_the_slots_that_did_not_ask_for_it(
     for s in range(S):
         assert sorted(st.pos[s][e[si == s]] // page) == [want] * page
         assert cells[s].size == page
+
+
+def test_a_store_whose_file_cannot_grow_stays_as_it_was(tmp_path):
+    """A file store that cannot be written (RLIMIT_FSIZE, as a full disk: EFBIG) refuses the new
+    tokens with OSError and keeps what it held: positions, digests and rows. Run in a child process,
+    which the limit would otherwise follow."""
+    import subprocess
+    import sys
+    code = f"""
+import resource, signal, numpy as np
+from entrokv_edge.runtime.recall import Store
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+st = Store(3, 4, "f32", 32, 32, 8, directory={str(tmp_path)!r})
+rng = np.random.default_rng(0)
+def block(m, p0):
+    k = rng.normal(size=(3, m, 8)).astype(np.float32).view(np.uint8)
+    return np.tile(np.arange(p0, p0 + m, dtype=np.int32), (3, 1)), k, rng.integers(0, 256, (3, m, 32), dtype=np.uint8)
+st.add(*block(10, 0))
+before = (st.pos.copy(), st.sums.copy(), st.counts.copy(), st.means.copy(), st.k[1].copy(), st.v[1].copy())
+size = st.file.seek(0, 2)
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 3 * 6 * 32 + 50, resource.RLIM_INFINITY))   # K fits, V does not
+try:
+    st.add(*block(6, 10))
+except OSError as e:
+    print("refused", e.errno)
+after = (st.pos, st.sums, st.counts, st.means, st.k[1], st.v[1])
+print("same", all(np.array_equal(a, b) for a, b in zip(before, after)) and st.k.n == st.v.n == 10)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "refused 27" in r.stdout and "same True" in r.stdout, r.stdout + r.stderr

@@ -77,7 +77,7 @@ def recall_config(value) -> RecallConfig | None:
 
 class _Rows:
     """Rows of every slot, [n_slots, M, width] bytes, as segments (one per eviction): arrays in host
-    memory, or parts of a file read and written with positioned I/O (``os.pread`` / ``os.pwrite``).
+    memory, or parts of a file read and written with positioned I/O (``os.preadv`` / ``os.pwrite``).
     Not memory-mapped: the kernel maps a file's cached neighbours into the process on every fault, so
     a mapped store would grow the process's resident memory by far more than the pages a recall reads."""
 
@@ -100,6 +100,11 @@ class _Rows:
             self.segs.append((self.n, off))
         self.seg_n.append(block.shape[1])
         self.n += block.shape[1]
+
+    def pop(self) -> None:
+        """Forget the last segment (its bytes stay in the file, unused)."""
+        self.segs.pop()
+        self.n -= self.seg_n.pop()
 
     def _parts(self, e: np.ndarray):
         starts = np.array([a for a, _ in self.segs])
@@ -144,6 +149,8 @@ def _pwrite(fd: int, data: np.ndarray, off: int) -> None:
     view = memoryview(data).cast("B")
     while view:
         n = os.pwrite(fd, view, off)
+        if n <= 0:
+            raise OSError(f"recall store file: nothing written at offset {off}")
         view, off = view[n:], off + n
 
 
@@ -249,16 +256,21 @@ class Store:
         self.means.reshape(-1, self.head_dim)[u] = sums[u] / np.maximum(counts[u], 1)[:, None]
 
     def add(self, pos: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Append tokens to every slot: pos [S, m], k [S, m, k width], v [S, m, v width]."""
+        """Append tokens to every slot: pos [S, m], k [S, m, k width], v [S, m, v width]. The rows are
+        stored first: if that fails (a full disk), the store is as it was."""
         S, m = pos.shape
+        self.k.append(k)
+        try:
+            self.v.append(v)
+        except BaseException:
+            self.k.pop()
+            raise
         step = max(1, (4 << 20) // max(1, m * self.head_dim * 4))     # the keys as floats, ~4 MiB at a time
         for a in range(0, S, step):
             b = min(S, a + step)
             si = np.repeat(np.arange(a, b), m)
             self._account(si, pos[a:b].ravel(), self.keys(k[a:b]).reshape(-1, self.head_dim), +1)
         self.pos = np.concatenate([self.pos, pos.astype(np.int32)], axis=1)
-        self.k.append(k)
-        self.v.append(v)
 
     def replace(self, si: np.ndarray, e: np.ndarray, pos: np.ndarray, k: np.ndarray, v: np.ndarray,
                 kf_old: np.ndarray) -> None:
