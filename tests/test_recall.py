@@ -52,10 +52,9 @@ def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, w
     llm.eval(prompt(200, 1))                     # fits the cache: one eviction, after the prompt
     assert llm.n_evictions == 1 and llm.recall.store.n_tokens == 200 - 64
     evicted_to = ek.true_positions(llm)[:, :64].copy()
-    assert llm.kv_report()["recall"]["recalls"] == 1    # the prompt is a turn: its last window recalls after it
     decode(llm, 40)                              # 40 more cells: no second eviction, 20 recalls
     rep = llm.kv_report()["recall"]
-    assert llm.n_evictions == 1 and rep["recalls"] == 21 and rep["recalled_tokens"] > 0
+    assert llm.n_evictions == 1 and rep["recalls"] == 20 and rep["recalled_tokens"] > 0
     g = ek.geometry(llm)
     tp = ek.true_positions(llm)
     now = slot_rows(llm, tp[:, : g.n_compacted])
@@ -82,8 +81,7 @@ def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, w
 def test_generation_with_recall_goes_on_across_evictions(model, where, tmp_path):
     llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, **({"directory": tmp_path} if where == "file" else {})},
                           **SETTINGS)
-    llm.eval(prompt(600, 2))                     # read in pieces: its end recalls what the pieces' evictions stored
-    assert llm.n_evictions > 1 and llm.kv_report()["recall"]["recalls"] == 1
+    llm.eval(prompt(600, 2))
     decode(llm, 400)                             # past the cache several times
     g, st = ek.geometry(llm), llm.recall.store
     assert llm.n_evictions >= 3 and llm.kv_report()["recall"]["recalled_tokens"] > 0

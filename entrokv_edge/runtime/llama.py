@@ -359,7 +359,6 @@ class EntroKVLlama(llama_cpp.Llama):
                 piece -= piece % self.n_batch  # whole batches, as llama-cpp-python decodes them
             self._eval_piece(tokens[done: done + piece], done, total)
             done += piece
-        last_window = self._window_scores       # the prompt's last window, before a draft joins it
         if total >= w and self._used() > self._budget_pages(self.n_tokens) * self.config.page_size + self.config.page_size:
             if self.config.lookahead:           # the answer's first queries join the window's
                 t0 = time.perf_counter()
@@ -370,7 +369,7 @@ class EntroKVLlama(llama_cpp.Llama):
                 self.n_drafted += stats.get("drafted", 0)
             self.evict()                        # after a prompt: down to the budget
         if self.recall and self.recall.n_keep:  # a new turn: its last queries bring back the pages they want
-            ws = self._turn_scores or last_window     # (after the prompt's own evictions too)
+            ws = self._turn_scores or self._window_scores
             if ws is not None and ws.queries is not None and ws.pos_last == self.n_tokens - 1:
                 self._timed_recall(self.recall.turn, self, ws.queries, ws.pos_last)
         self._turn_scores = None
