@@ -455,7 +455,8 @@ class Recall:
             logit = np.where(seen[:, :, None, :], logit, -np.inf)
             lse = _lse(logit)                                                    # [s, I, r]
             return q, np.exp(logit[..., : self.n_keep] - lse[..., None]), lse   # compacted cells: 0..n_keep-1
-        return self._swap(llm, g, inputs, I * r, n_pages, extra=cells.shape[1], consensus=consensus)
+        return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, extra=cells.shape[1],
+                          consensus=consensus)
 
     def _resident_keys(self, llm, g, tp: np.ndarray) -> np.ndarray:
         """float32 [S, n_keep, d]: the keys of the compacted cells, read once after an eviction and
@@ -485,8 +486,10 @@ class Recall:
         s = np.arange(g.n_slots)
         return g.n_slots, r, (s // G)[:, None], (s % G)[:, None] * r + np.arange(r)[None, :]
 
-    def _swap(self, llm, g, inputs, n_queries: int, n_pages: int, extra: int = 0, consensus: str | None = None) -> int:
-        """Plan every slot's swaps, a few slots at a time (their temporaries bounded by CHUNK_BYTES):
+    def _swap(self, llm, g, tp: np.ndarray, inputs, n_queries: int, n_pages: int, extra: int = 0,
+              consensus: str | None = None) -> int:
+        """Plan every slot's swaps, a few slots at a time (their temporaries bounded by CHUNK_BYTES);
+        ``tp`` [S, n_keep]: the compacted cells' true positions.
         ``inputs(ss)`` gives slots ss's queries [s, I, r, d], their attention over the compacted cells
         [s, I, r, n_keep] and their log-sum-exp over the cache [s, I, r]. Then move the rows: displaced
         tokens read out, stored ones written in, the store updated. ``consensus`` (research, "mean" or
@@ -494,24 +497,22 @@ class Recall:
         least the mean (or max) over the slots of its scores (a page that some layers want is offered
         to all)."""
         st = self.store
-        tp = true_positions(llm)[:, : self.n_keep]
         P = self.eviction.page_size
         protect = np.zeros(max(int(tp.max()) + 1, self.n_at_eviction) // P + 2, bool)
         protect[[p for p in self.eviction.protected(self.n_at_eviction)]] = True     # sinks and recent pages
         per_slot = 8 * 4 * n_queries * (self.n_keep + extra + n_pages * self.page + st.counts.shape[1])
         chunk = max(1, CHUNK_BYTES // max(per_slot, 1))
+        runs = [np.arange(a, min(a + chunk, g.n_slots)) for a in range(0, g.n_slots, chunk)]
         boost = None
         if consensus:
             seen = np.full(st.counts.shape, -np.inf)
-            for a in range(0, g.n_slots, chunk):
-                ss = np.arange(a, min(a + chunk, g.n_slots))
-                plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages, scores_out=seen[a: a + ss.size])
+            for ss in runs:
+                plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages, scores_out=seen[ss[0]: ss[-1] + 1])
             scored = np.isfinite(seen)
             boost = (np.where(scored, seen, 0.0).sum(0) / np.maximum(scored.sum(0), 1) if consensus == "mean"
                      else seen.max(0))
         cells, si, e, kf_old = [], [], [], []
-        for a in range(0, g.n_slots, chunk):
-            ss = np.arange(a, min(a + chunk, g.n_slots))
+        for ss in runs:
             c, i, j, k = plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages, boost=boost)
             cells += c
             if i.size:
