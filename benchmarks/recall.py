@@ -43,6 +43,14 @@ recall-cmean and recall-cmax. A consensus goes on to the held-out split only if 
 answers than recall over both models and loses no model; the one with more right answers, ties: mean.
 Its rows (commit 38ec6af), right answers of 18 (SmolLM2 / Gemma 3): full 9 / 15, recall 1 / 11,
 recall-cmean 1 / 9, recall-cmax 1 / 10. Neither consensus passes: none goes on, the option stays off.
+
+Round 3 (the rule written before its rows): a draft at a new turn (RecallConfig's research option
+``turn_draft``: after the turn's recall, its last token evaluated again so that the answer starts from the
+recalled cache, then the answer's first k tokens drafted greedily with their queries observed, a second
+recall driven by those queries, the draft removed). The follow-up part's tune split, SmolLM2 and Gemma 3,
+configurations recall (the defaults, rerun at this commit for the pairs), recall-draft8 and
+recall-draft16. A draft goes on to the held-out split only if it has more right answers than recall over
+both models and loses no model; of the two, the one with more right answers, ties: 8.
 """
 from __future__ import annotations
 
@@ -75,7 +83,8 @@ SPLITS = {"tune": (20, 0), "heldout": (40, 500_000)}
 # configurations of the runtime: "evicted" (no recall, today's final eviction), "recall" (the defaults), variants
 CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, "recall-turn32": {"turn_pages": 32},
            "recall-turn128": {"turn_pages": 128}, "recall-cmean": {"turn_consensus": "mean"},
-           "recall-cmax": {"turn_consensus": "max"}}
+           "recall-cmax": {"turn_consensus": "max"}, "recall-draft8": {"turn_draft": 8},
+           "recall-draft16": {"turn_draft": 16}}
 
 
 def _runtime(model: str, n_ctx: int, recall):

@@ -26,6 +26,7 @@ from ..controller.config import EDGE_OPTIONS, OFF
 from ..controller.guide import guide_scores
 from .._loader import ensure_llama_cpp
 from . import session
+from ..controller.lookahead import draft_room, restore_tail
 from .recall import Recall, recall_config
 
 llama_cpp = ensure_llama_cpp()
@@ -371,8 +372,64 @@ class EntroKVLlama(llama_cpp.Llama):
         if self.recall and self.recall.n_keep:  # a new turn: its last queries bring back the pages they want
             ws = self._turn_scores or self._window_scores
             if ws is not None and ws.queries is not None and ws.pos_last == self.n_tokens - 1:
-                self._timed_recall(self.recall.turn, self, ws.queries, ws.pos_last)
+                self._turn_scores = None
+                moved = self._timed_recall(self.recall.turn, self, ws.queries, ws.pos_last)
+                if self.recall.config.turn_draft:
+                    self._turn_draft(refresh=moved > 0)
         self._turn_scores = None
+
+    def _turn_draft(self, refresh: bool) -> None:
+        """After a turn's recall (option ``turn_draft`` k > 0): the turn's last token evaluated again if
+        that recall moved tokens (``refresh``), so that its logits come from the cache as recalled; then
+        the answer's first k tokens drafted greedily, their queries (observed) driving a second recall,
+        the draft removed again, and the last token once more if that recall moved tokens."""
+        t0 = time.perf_counter()
+        if refresh:
+            self._refresh_last()
+        n = self.n_tokens
+        k = min(self.recall.config.turn_draft, draft_room(self, geometry(self)) - 1, self._n_ctx - n)
+        if k <= 0:
+            self.recall_s += time.perf_counter() - t0
+            return
+        self._ensure_ids(n + k)
+        last = self._last_logits().copy()
+        steps = []
+        vocab = llama_cpp.llama_model_get_vocab(self.model)
+        obs = Observation(self, 1, handler=lambda v: steps.append(v.queries[:, -1].copy()), keep_last=False,
+                          queries_only=True).start()
+        moved = 0
+        try:
+            try:
+                lg = last
+                while len(steps) < k and not llama_cpp.llama_vocab_is_eog(vocab, int(np.argmax(lg))):
+                    super().eval([int(np.argmax(lg))])
+                    obs.raise_pending()
+                    lg = self._last_logits()
+            finally:
+                obs.stop()
+            if steps:           # the recall sees the draft's cells too (causally, by true position)
+                moved = self.recall.turn(self, np.stack(steps, 1), n + len(steps) - 1)
+                self.recall.n_recalls += 1
+                self.recall.drafted += len(steps)
+        except BaseException:
+            restore_tail(self, n, last, strict=False)       # the draft's own error is the one to see
+            raise
+        restore_tail(self, n, last)                         # the draft leaves; recalled pages stay
+        if moved:
+            self._refresh_last()
+        self.recall_s += time.perf_counter() - t0
+
+    def _last_logits(self) -> np.ndarray:
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab(),))
+
+    def _refresh_last(self) -> None:
+        """The last token evaluated again on the cache as it is now (a recall changed it): its keys, values
+        and logits then follow the recalled pages."""
+        n = self.n_tokens
+        if not self._ctx.kv_cache_seq_rm(-1, n - 1, -1):
+            raise RuntimeError("llama.cpp refused to remove the turn's last token for its re-evaluation")
+        self.n_tokens = n - 1
+        super().eval([int(self.input_ids[n - 1])])
 
     def _decode_with_recall(self, tokens: list[int]) -> None:
         """One decoded token, its queries observed; every ``every`` tokens, a recall."""
@@ -391,12 +448,13 @@ class EntroKVLlama(llama_cpp.Llama):
         if self.recall.due():
             self._timed_recall(self.recall.step, self)
 
-    def _timed_recall(self, fn, *args) -> None:
-        """One recall (``Recall.step`` or ``Recall.turn``), counted and timed."""
+    def _timed_recall(self, fn, *args) -> int:
+        """One recall (``Recall.step`` or ``Recall.turn``), counted and timed; the tokens it brought back."""
         t0 = time.perf_counter()
-        fn(*args)
+        n = fn(*args)
         self.recall.n_recalls += 1
         self.recall_s += time.perf_counter() - t0
+        return n
 
     def _stop_recall_observer(self) -> None:
         if self._recall_obs is not None:
@@ -440,7 +498,8 @@ class EntroKVLlama(llama_cpp.Llama):
                 "store_pages": st.n_pages() if st is not None else 0,
                 "store_bytes": nb["rows"] + nb["positions"], "digest_bytes": nb["digests"],
                 "store_bytes_in_memory": (0 if rc.config.directory else nb["rows"]) + nb["positions"],
-                "recalls": rc.n_recalls, "recalled_tokens": rc.recalled, "recall_s": self.recall_s}
+                "recalls": rc.n_recalls, "recalled_tokens": rc.recalled, "recall_s": self.recall_s,
+                "drafted_tokens": rc.drafted}
 
     def save_session(self, path: str | Path, extra: dict | None = None) -> None:
         """Save the state (``save_state``) to ``path``, atomically, with checksums and the model's

@@ -46,6 +46,7 @@ class RecallConfig:
     directory: str | None = None
     turn_pages: int = 128
     turn_consensus: str | None = None     # research: None, "mean" or "max" (see Recall.turn)
+    turn_draft: int = 0                   # research: answer tokens drafted at a turn to drive a second recall
 
     def __post_init__(self):
         if self.turn_consensus not in (None, "mean", "max"):
@@ -59,6 +60,9 @@ class RecallConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
                 raise ValueError(f"recall {name} must be an integer in 1..4096, got {v!r}")
+        d = self.turn_draft
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 64:
+            raise ValueError(f"recall turn_draft must be an integer in 0..64, got {d!r}")
 
 
 def recall_config(value) -> RecallConfig | None:
@@ -304,6 +308,7 @@ class Recall:
         self.n_at_eviction = 0                # logical length at the last eviction
         self.recalled = 0                     # tokens brought back, all slots together
         self.n_recalls = 0
+        self.drafted = 0                      # tokens drafted at turns to drive a recall (turn_draft), then removed
         self._keys = None                     # float32 [S, n_keep, d]: the compacted cells' keys, kept between
         self._keys_pos = None                 # recalls, and the true positions they were read for [S, n_keep]
 
