@@ -17,7 +17,12 @@ def tokens(llm):
 
 def check_same_keep_against_seq_rm(path, n_ctx, geometry, stride, n_probe):
     """One keep on every slot (sinks, every stride-th token, the last 8) against llama.cpp's own seq_rm
-    of the other positions, on F32 caches: the next tokens' logits agree (up to accumulation order)."""
+    of the other positions, on F32 caches: the serialized sequences hold the same K and V bytes in the
+    same order, and a context loaded with what seq_rm left decodes exactly like the compacted one.
+
+    The decode is compared through a loaded copy because seq_rm leaves holes and the next tokens land
+    in them: on AVX2 the attention's sums then run in another order, and through 30 layers of Q4
+    weights that moves the logits by up to ~0.8 (measured) - as much as removing one wrong token."""
     a, b = make_llm(path, n_ctx=n_ctx, type_k="f32"), make_llm(path, n_ctx=n_ctx, type_k="f32")
     toks = tokens(a)
     n = len(toks)
@@ -28,8 +33,16 @@ def check_same_keep_against_seq_rm(path, n_ctx, geometry, stride, n_probe):
     ek.compact(a, np.tile(keep, (g.n_slots, 1)).astype(np.int32))
     for p in sorted(set(range(n)) - set(keep.tolist())):
         assert b._ctx.kv_cache_seq_rm(0, p, p + 1)
+    removed = state_blob(b)
+    mine, theirs = parse_cache(state_blob(a)), parse_cache(removed)
+    assert theirs.pos.tolist() == keep.tolist()  # compaction renumbers positions, in the same order
+    assert mine.pos.tolist() == list(range(n - len(keep), n))
+    for x, y in zip(mine.k + mine.v, theirs.k + theirs.v):
+        assert x[:-1] == y[:-1] and np.array_equal(x[-1], y[-1])
+    c = make_llm(path, n_ctx=n_ctx, type_k="f32")
+    load_blob(c, removed, toks)
     for t in tokens(a)[1:1 + n_probe]:
-        assert np.abs(feed(a, [t]) - feed(b, [t])).max() < 1e-3
+        assert np.abs(feed(a, [t]) - feed(c, [t])).max() <= 1e-5
 
 
 def check_per_head_keep_against_state_rewrite(path, n_ctx, seed, first, steps):
