@@ -115,12 +115,43 @@ def test_sessions_keep_the_store_and_go_on_identically(model, tmp_path):
 
 
 def test_recall_settings_are_checked(model):
-    for bad in (dict(every=0), dict(pages=-1), dict(page_size=2.5), dict(nope=1), dict(directory="/no/such/dir")):
+    for bad in (dict(every=0), dict(pages=-1), dict(page_size=2.5), dict(nope=1), dict(directory="/no/such/dir"),
+                dict(turn_draft=-1), dict(turn_draft=65), dict(turn_draft=True)):
         with pytest.raises((ValueError, TypeError)):
             ek.EntroKVLlama(model, n_ctx=256, recall=bad, **SETTINGS)
     with pytest.raises(TypeError):
         ek.EntroKVLlama(model, n_ctx=256, recall="yes", **SETTINGS)
     assert ek.EntroKVLlama(model, n_ctx=256, recall=True, **SETTINGS).recall.config == RecallConfig()
+
+
+def test_the_answer_starts_from_the_cache_as_recalled_with_or_without_a_turn_draft(model):
+    """A turn's recall that moves tokens leaves the turn's last logits as its last token evaluated on the
+    cache as recalled (not the ones computed before the recall). With turn_draft, the answer's first
+    tokens are drafted, drive a second recall and leave again."""
+    import llama_cpp
+    fresh = {}
+    for k in (0, 6):
+        llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": k}, **SETTINGS)
+        llm.eval(prompt(200, 4))
+        decode(llm, 5)
+        n0, recalls = llm.n_tokens, llm.kv_report()["recall"]["recalls"]
+        turn = prompt(10, 5)
+        llm.eval(turn)                                       # shorter than the window: a turn, recalled for
+        rep = llm.kv_report()["recall"]
+        g, tp, st = ek.geometry(llm), ek.true_positions(llm), llm.recall.store
+        assert llm.n_tokens == n0 + 10 and g.n_used == 64 + 5 + 10        # the draft's cells are gone
+        assert rep["drafted_tokens"] == k and rep["recalls"] == recalls + 1 + (k > 0)
+        for s in range(g.n_slots):                           # every position once, in the cache or the store
+            held = np.concatenate([tp[s][tp[s] >= 0], st.pos[s]])
+            assert np.array_equal(np.sort(held), np.arange(n0 + 10)), f"slot {s}"
+        seen = logits(llm).copy()
+        # the oracle: the last token removed and evaluated again by llama-cpp-python itself
+        assert llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens - 1, -1)
+        llm.n_tokens -= 1
+        llama_cpp.Llama.eval(llm, [turn[-1]])
+        fresh[k] = np.array_equal(seen, logits(llm))
+        assert rep["recalled_tokens"] > 0
+    assert fresh == {0: True, 6: True}
 
 
 def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm2):

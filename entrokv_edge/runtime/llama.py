@@ -374,18 +374,19 @@ class EntroKVLlama(llama_cpp.Llama):
             if ws is not None and ws.queries is not None and ws.pos_last == self.n_tokens - 1:
                 self._turn_scores = None
                 moved = self._timed_recall(self.recall.turn, self, ws.queries, ws.pos_last)
+                if moved:       # the answer's first token must come from the cache as recalled
+                    t0 = time.perf_counter()
+                    self._refresh_last()
+                    self.recall_s += time.perf_counter() - t0
                 if self.recall.config.turn_draft:
-                    self._turn_draft(refresh=moved > 0)
+                    self._turn_draft()
         self._turn_scores = None
 
-    def _turn_draft(self, refresh: bool) -> None:
-        """After a turn's recall (option ``turn_draft`` k > 0): the turn's last token evaluated again if
-        that recall moved tokens (``refresh``), so that its logits come from the cache as recalled; then
-        the answer's first k tokens drafted greedily, their queries (observed) driving a second recall,
-        the draft removed again, and the last token once more if that recall moved tokens."""
+    def _turn_draft(self) -> None:
+        """After a turn's recall (option ``turn_draft`` k > 0): the answer's first k tokens drafted
+        greedily, their queries (observed) driving a second recall, the draft removed again, and the
+        turn's last token evaluated once more if that recall moved tokens."""
         t0 = time.perf_counter()
-        if refresh:
-            self._refresh_last()
         n = self.n_tokens
         k = min(self.recall.config.turn_draft, draft_room(self, geometry(self)) - 1, self._n_ctx - n)
         if k <= 0:

@@ -449,15 +449,19 @@ class Recall:
             k, _ = read_cells(llm, list(cells[:, self.n_keep:]), g, buffers=True, keys_only=True)
             later = self.store.keys(k.reshape(S, cells.shape[1] - self.n_keep, -1))
 
+        # causality by true position: only the cells some query must not see need a mask (the compacted cells
+        # precede every query; the cells written since hold the queries' own tokens)
+        late = np.flatnonzero((held_pos > qpos.min()).any(0))
+        late_seen = held_pos[:, late][:, None, :] <= qpos[None, :, None]            # [S, I, late]
+
         def inputs(ss):                 # _swap plans slots in contiguous runs a..b-1
             a, b = int(ss[0]), int(ss[-1]) + 1
-            q = qt[sl[ss], hs[ss]].transpose(0, 2, 1, 3).astype(np.float64)         # [s, I, r, d]
+            q = np.ascontiguousarray(qt[sl[ss], hs[ss]].transpose(0, 2, 1, 3), np.float32)   # [s, I, r, d]
             logit = _dot(q, resident[a:b], np.float32)
             if later is not None:
                 logit = np.concatenate([logit, _dot(q, later[a:b], np.float32)], -1)
-            logit = logit.astype(np.float64)
-            seen = held_pos[ss][:, None, :] <= qpos[None, :, None]               # causal, by true position
-            logit = np.where(seen[:, :, None, :], logit, -np.inf)
+            if late.size:
+                logit[..., late] = np.where(late_seen[a:b, :, None, :], logit[..., late], -np.inf)
             lse = _lse(logit)                                                    # [s, I, r]
             return q, np.exp(logit[..., : self.n_keep] - lse[..., None]), lse   # compacted cells: 0..n_keep-1
         return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, extra=cells.shape[1],
@@ -586,7 +590,7 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     ent = ent.reshape(S, -1)
     valid = ent >= 0
     kf = st.keys(st.k.gather(np.broadcast_to(ss[:, None], ent.shape), np.maximum(ent, 0)))   # [S, N*page, d]
-    logit = np.where(valid[:, None, None, :], _dot(q, kf), -np.inf)
+    logit = np.where(valid[:, None, None, :], _dot(q, kf, np.float32), -np.inf)
     lse_seen = np.logaddexp(lse_res, _lse(logit))                                    # [S, I, r]
     tok = np.exp(logit - lse_seen[..., None]).sum(1)                                 # [S, r, N*page]
     m = valid.reshape(S, -1, page).sum(-1)                                           # tokens per read page
