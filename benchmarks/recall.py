@@ -51,6 +51,10 @@ recall driven by those queries, the draft removed). The follow-up part's tune sp
 configurations recall (the defaults, rerun at this commit for the pairs), recall-draft8 and
 recall-draft16. A draft goes on to the held-out split only if it has more right answers than recall over
 both models and loses no model; of the two, the one with more right answers, ties: 8.
+Before its rows were complete, a defect showed in them: a turn's recall left the answer to start from
+logits computed before the recall. Re-evaluating the last token after a turn's recall that moves tokens
+became the runtime's behaviour for every configuration (commit 07189f2), and round 3's three rows were
+run again from there; the rule above is unchanged.
 """
 from __future__ import annotations
 
