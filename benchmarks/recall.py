@@ -55,6 +55,14 @@ Before its rows were complete, a defect showed in them: a turn's recall left the
 logits computed before the recall. Re-evaluating the last token after a turn's recall that moves tokens
 became the runtime's behaviour for every configuration (commit 07189f2), and round 3's three rows were
 run again from there; the rule above is unchanged.
+
+Round 4 (the rule written before its rows): a floor under what comes back (RecallConfig's research
+option ``swap_floor``: a page is recalled only if its mass is at least that many times what uniform
+attention over the held cells would give it, on top of beating the pages it displaces), against the
+churn seen in round 3 (a turn's recall and each decoding recall moved ~80 tokens per buffer of ~400).
+The follow-up part's tune split, SmolLM2 and Gemma 3, recall-floor1 and recall-floor4 against
+recall. A floor goes on to the held-out split only if it has more right answers than recall over both
+models and loses no model; of the two, the one with more right answers, ties: 1.
 """
 from __future__ import annotations
 
@@ -88,7 +96,8 @@ SPLITS = {"tune": (20, 0), "heldout": (40, 500_000)}
 CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, "recall-turn32": {"turn_pages": 32},
            "recall-turn128": {"turn_pages": 128}, "recall-cmean": {"turn_consensus": "mean"},
            "recall-cmax": {"turn_consensus": "max"}, "recall-draft8": {"turn_draft": 8},
-           "recall-draft16": {"turn_draft": 16}}
+           "recall-draft16": {"turn_draft": 16}, "recall-floor1": {"swap_floor": 1.0},
+           "recall-floor4": {"swap_floor": 4.0}}
 
 
 def _runtime(model: str, n_ctx: int, recall):

@@ -47,6 +47,7 @@ class RecallConfig:
     turn_pages: int = 128
     turn_consensus: str | None = None     # research: None, "mean" or "max" (see Recall.turn)
     turn_draft: int = 0                   # research: answer tokens drafted at a turn to drive a second recall
+    swap_floor: float = 0.0               # research: a page comes in only with this many times a uniform share
 
     def __post_init__(self):
         if self.turn_consensus not in (None, "mean", "max"):
@@ -63,6 +64,9 @@ class RecallConfig:
         d = self.turn_draft
         if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 64:
             raise ValueError(f"recall turn_draft must be an integer in 0..64, got {d!r}")
+        f = self.swap_floor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1e6:
+            raise ValueError(f"recall swap_floor must be a number in [0, 1e6], got {f!r}")
 
 
 def recall_config(value) -> RecallConfig | None:
@@ -522,7 +526,8 @@ class Recall:
                      else seen.max(0))
         cells, si, e, kf_old = [], [], [], []
         for ss in runs:
-            c, i, j, k = plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages, boost=boost)
+            c, i, j, k = plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages, boost=boost,
+                              floor=self.config.swap_floor / max(extra, self.n_keep))
             cells += c
             if i.size:
                 si.append(i), e.append(j), kf_old.append(k)
@@ -554,7 +559,8 @@ CHUNK_BYTES = 16 << 20      # a recall's temporaries per group of slots planned 
 
 
 def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.ndarray, tp: np.ndarray,
-         protect: np.ndarray, P: int, N: int, boost: np.ndarray | None = None, scores_out: np.ndarray | None = None):
+         protect: np.ndarray, P: int, N: int, boost: np.ndarray | None = None, scores_out: np.ndarray | None = None,
+         floor: float = 0.0):
     """The swaps of slots ``ss`` (S of them), all at once.
 
     q [S, I, r, d] the queries; att [S, I, r, n_keep] their attention over the compacted cells, whose
@@ -566,6 +572,8 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     beats that of the least attended whole, unprotected eviction pages it displaces.
     ``boost`` [store pages] (research): a floor under every page's mass, in ranking and exact scoring;
     ``scores_out`` [S, store pages]: filled with the exact masses of the pages read.
+    ``floor`` (research): a page comes in only if its mass is at least floor x queries x its tokens
+    (the runtime passes swap_floor / cells held: that many times what uniform attention would give it).
     Returns (cells: per slot int32 [n_s], the cells to overwrite; si, e: the store entries coming
     in, in the same order; kf: their keys as floats)."""
     S, I, r, _ = q.shape
@@ -618,6 +626,7 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     po = np.argsort(-page_score, axis=1, kind="stable")
     ps = np.take_along_axis(page_score, po, 1)
     need = np.take_along_axis(m, po, 1)
+    above = ps >= floor * I * need
     whole = need % P == 0
     need = need // P
     c1 = np.cumsum(need, axis=1)
@@ -625,7 +634,7 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     gcum = np.concatenate([np.zeros((S, 1)), np.cumsum(np.where(np.isfinite(gsorted), gsorted, 1e300), 1)], 1)
     fits = c1 <= np.isfinite(gsorted).sum(1, keepdims=True)
     disp = np.take_along_axis(gcum, np.minimum(c1, n_gp), 1) - np.take_along_axis(gcum, np.minimum(c0, n_gp), 1)
-    take = np.cumprod(whole & fits & (ps > disp) & (need > 0), axis=1).astype(bool)
+    take = np.cumprod(whole & fits & above & (ps > disp) & (need > 0), axis=1).astype(bool)
     cells, si, e, kfs = [], [], [], []
     ent3 = ent.reshape(S, -1, page)
     kf3 = kf.reshape(S, -1, page, kf.shape[-1])
