@@ -116,7 +116,8 @@ def test_sessions_keep_the_store_and_go_on_identically(model, tmp_path):
 
 def test_recall_settings_are_checked(model):
     for bad in (dict(every=0), dict(pages=-1), dict(page_size=2.5), dict(nope=1), dict(directory="/no/such/dir"),
-                dict(turn_draft=-1), dict(turn_draft=65), dict(turn_draft=True)):
+                dict(turn_draft=-1), dict(turn_draft=65), dict(turn_draft=True), dict(swap_floor=-0.5),
+                dict(swap_floor=True), dict(swap_floor="1")):
         with pytest.raises((ValueError, TypeError)):
             ek.EntroKVLlama(model, n_ctx=256, recall=bad, **SETTINGS)
     with pytest.raises(TypeError):
@@ -180,7 +181,7 @@ def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm
     assert held[True][1] > held[True][0] + 10, held        # the question's recall brings the digits back
 
 
-def reference_plan(st, s, q, att, lse_res, tp, protect, P, N):
+def reference_plan(st, s, q, att, lse_res, tp, protect, P, N, floor=0.0):
     """One slot's swaps, written plainly (loops): the oracle of recall.plan."""
     counts, pos = st.counts[s], st.pos[s]
     live = np.flatnonzero(counts > 0)
@@ -204,7 +205,7 @@ def reference_plan(st, s, q, att, lse_res, tp, protect, P, N):
     for p in sorted(short, key=lambda p: -score[p]):
         k = len(ents[p]) // P
         out = free[:k]
-        if len(out) < k or not score[p] > sum(x for x, _ in out):
+        if len(out) < k or not score[p] > sum(x for x, _ in out) or score[p] < floor * q.shape[0] * len(ents[p]):
             break
         free = free[k:]
         cells += [c for _, g in out for c in groups[g]]
@@ -212,7 +213,9 @@ def reference_plan(st, s, q, att, lse_res, tp, protect, P, N):
     return sorted(cells), sorted(taken)
 
 
-def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan():
+@pytest.mark.parametrize("floor", [0.0, 0.005])
+def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan(floor):
+    """recall.plan over all slots at once against reference_plan, without and with a swap floor."""
     from entrokv_edge.runtime.recall import Store, plan
     rng = np.random.default_rng(0)
     S, I, r, d, P, page, N, n = 6, 4, 3, 8, 4, 16, 5, 640
@@ -230,15 +233,18 @@ def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan():
     lse = rng.normal(size=(S, I, r)) + 6.0                     # pages and resident tokens close: some slots stop early
     protect = np.zeros(n // P + 2, bool)
     protect[[0, 1, n // P - 1]] = True
-    cells, si, e, kf = plan(st, np.arange(S), q, att, lse, tp, protect, P, N)
+    cells, si, e, kf = plan(st, np.arange(S), q, att, lse, tp, protect, P, N, floor=floor)
     pages_in = []
     for s in range(S):
-        want_cells, want_entries = reference_plan(st, s, q[s], att[s], lse[s], tp[s], protect, P, N)
+        want_cells, want_entries = reference_plan(st, s, q[s], att[s], lse[s], tp[s], protect, P, N, floor)
         assert sorted(cells[s].tolist()) == want_cells and sorted(e[si == s].tolist()) == want_entries, f"slot {s}"
-        assert np.array_equal(kf[si == s], keys[s][e[si == s]])
+        assert want_entries == [] or np.array_equal(kf[si == s], keys[s][e[si == s]])
         pages_in.append(len({int(p) // page for p in st.pos[s][want_entries]}))
     # the comparison covers slots that took pages and slots whose resident tokens won before N pages came in
     assert max(pages_in) > 0 and min(pages_in) < N, pages_in
+    if floor:       # and the floor stops pages that beat what they would displace
+        assert any(len(reference_plan(st, s, q[s], att[s], lse[s], tp[s], protect, P, N)[1]) > (si == s).sum()
+                   for s in range(S))
 
 
 def test_a_file_store_reads_and_writes_the_rows_a_memory_store_does(tmp_path):
