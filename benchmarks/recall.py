@@ -63,6 +63,14 @@ churn seen in round 3 (a turn's recall and each decoding recall moved ~80 tokens
 The follow-up part's tune split, SmolLM2 and Gemma 3, recall-floor1 and recall-floor4 against
 recall. A floor goes on to the held-out split only if it has more right answers than recall over both
 models and loses no model; of the two, the one with more right answers, ties: 1.
+
+Round 5 (the rule written before its rows): a spread over pages (RecallConfig's research option
+``spread``: a stored page's mass, in ranking and exact scoring, is at least that of each of the
+``spread`` pages before it, resident or stored), because round 3's wrong answers on SmolLM2 keep the
+question's words and lose the number after them ("The pass key for the golden door is 100." for
+10054). The follow-up part's tune split, SmolLM2 and Gemma 3, recall-spread1 and recall-spread2
+against recall. A spread goes on to the held-out split only if it has more right answers than recall
+over both models and loses no model; of the two, the one with more right answers, ties: 1.
 """
 from __future__ import annotations
 
@@ -97,7 +105,7 @@ CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, 
            "recall-turn128": {"turn_pages": 128}, "recall-cmean": {"turn_consensus": "mean"},
            "recall-cmax": {"turn_consensus": "max"}, "recall-draft8": {"turn_draft": 8},
            "recall-draft16": {"turn_draft": 16}, "recall-floor1": {"swap_floor": 1.0},
-           "recall-floor4": {"swap_floor": 4.0}}
+           "recall-floor4": {"swap_floor": 4.0}, "recall-spread1": {"spread": 1}, "recall-spread2": {"spread": 2}}
 
 
 def _runtime(model: str, n_ctx: int, recall):

@@ -117,7 +117,7 @@ def test_sessions_keep_the_store_and_go_on_identically(model, tmp_path):
 def test_recall_settings_are_checked(model):
     for bad in (dict(every=0), dict(pages=-1), dict(page_size=2.5), dict(nope=1), dict(directory="/no/such/dir"),
                 dict(turn_draft=-1), dict(turn_draft=65), dict(turn_draft=True), dict(swap_floor=-0.5),
-                dict(swap_floor=True), dict(swap_floor="1")):
+                dict(swap_floor=True), dict(swap_floor="1"), dict(spread=-1), dict(spread=9), dict(spread=1.0)):
         with pytest.raises((ValueError, TypeError)):
             ek.EntroKVLlama(model, n_ctx=256, recall=bad, **SETTINGS)
     with pytest.raises(TypeError):
@@ -181,13 +181,28 @@ def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm
     assert held[True][1] > held[True][0] + 10, held        # the question's recall brings the digits back
 
 
-def reference_plan(st, s, q, att, lse_res, tp, protect, P, N, floor=0.0):
+def reference_plan(st, s, q, att, lse_res, tp, protect, P, N, floor=0.0, spread=0):
     """One slot's swaps, written plainly (loops): the oracle of recall.plan."""
     counts, pos = st.counts[s], st.pos[s]
     live = np.flatnonzero(counts > 0)
     mean = st.sums[s][live] / counts[live, None]
     est = np.einsum("ird,pd->irp", q, mean)
     mass = np.minimum(1.0, counts[live] * np.exp(est - lse_res[:, :, None])).sum(0).max(0)
+
+    def resident(per_token):            # a resident page's mass: its tokens' masses summed
+        out = {}
+        for c, t in enumerate(tp):
+            out[t // st.page] = out.get(t // st.page, 0.0) + per_token[c]
+        return out
+
+    def behind(u, src):                 # the most attended of the spread pages before page u
+        return max([src.get(u - j, 0.0) for j in range(1, spread + 1)], default=0.0)
+
+    if spread:
+        src = resident(att.sum(0).max(0))
+        for u, x in zip(live, mass):
+            src[u] = max(src.get(u, 0.0), x)
+        mass = np.array([max(x, behind(u, src)) for u, x in zip(live, mass)])
     short = live[np.argsort(-mass, kind="stable")[:N]]
     ents = {p: [j for j in range(pos.size) if pos[j] // st.page == p] for p in short}
     kf = {j: np.frombuffer(st.k[s][j].tobytes(), np.float32).astype(np.float64) for p in short for j in ents[p]}
@@ -197,6 +212,11 @@ def reference_plan(st, s, q, att, lse_res, tp, protect, P, N, floor=0.0):
     score = {p: max(sum(np.exp(logits[j] - lse_seen)[:, h].sum() for j in ents[p]) for h in range(q.shape[1]))
              for p in short}
     res = (att * np.exp(lse_res - lse_seen)[:, :, None]).sum(0).max(0)
+    if spread:
+        src = resident(res)
+        for p in short:
+            src[p] = max(src.get(p, 0.0), score[p])
+        score = {p: max(score[p], behind(p, src)) for p in short}
     groups = {}
     for c, t in enumerate(tp):
         groups.setdefault(t // P, []).append(c)
@@ -213,9 +233,10 @@ def reference_plan(st, s, q, att, lse_res, tp, protect, P, N, floor=0.0):
     return sorted(cells), sorted(taken)
 
 
-@pytest.mark.parametrize("floor", [0.0, 0.005])
-def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan(floor):
-    """recall.plan over all slots at once against reference_plan, without and with a swap floor."""
+@pytest.mark.parametrize("floor,spread", [(0.0, 0), (0.005, 0), (0.0, 1), (0.0, 3)])
+def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan(floor, spread):
+    """recall.plan over all slots at once against reference_plan, without and with a swap floor or
+    a spread."""
     from entrokv_edge.runtime.recall import Store, plan
     rng = np.random.default_rng(0)
     S, I, r, d, P, page, N, n = 6, 4, 3, 8, 4, 16, 5, 640
@@ -233,18 +254,20 @@ def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan(floor):
     lse = rng.normal(size=(S, I, r)) + 6.0                     # pages and resident tokens close: some slots stop early
     protect = np.zeros(n // P + 2, bool)
     protect[[0, 1, n // P - 1]] = True
-    cells, si, e, kf = plan(st, np.arange(S), q, att, lse, tp, protect, P, N, floor=floor)
+    cells, si, e, kf = plan(st, np.arange(S), q, att, lse, tp, protect, P, N, floor=floor, spread=spread)
     pages_in = []
     for s in range(S):
-        want_cells, want_entries = reference_plan(st, s, q[s], att[s], lse[s], tp[s], protect, P, N, floor)
+        want_cells, want_entries = reference_plan(st, s, q[s], att[s], lse[s], tp[s], protect, P, N, floor, spread)
         assert sorted(cells[s].tolist()) == want_cells and sorted(e[si == s].tolist()) == want_entries, f"slot {s}"
         assert want_entries == [] or np.array_equal(kf[si == s], keys[s][e[si == s]])
         pages_in.append(len({int(p) // page for p in st.pos[s][want_entries]}))
     # the comparison covers slots that took pages and slots whose resident tokens won before N pages came in
     assert max(pages_in) > 0 and min(pages_in) < N, pages_in
-    if floor:       # and the floor stops pages that beat what they would displace
-        assert any(len(reference_plan(st, s, q[s], att[s], lse[s], tp[s], protect, P, N)[1]) > (si == s).sum()
-                   for s in range(S))
+    plain = [reference_plan(st, s, q[s], att[s], lse[s], tp[s], protect, P, N)[1] for s in range(S)]
+    if floor:       # the floor stops pages that beat what they would displace
+        assert any(len(plain[s]) > (si == s).sum() for s in range(S))
+    if spread:      # the spread brings other pages
+        assert any(set(plain[s]) != set(e[si == s].tolist()) for s in range(S))
 
 
 def test_a_file_store_reads_and_writes_the_rows_a_memory_store_does(tmp_path):

@@ -48,6 +48,7 @@ class RecallConfig:
     turn_consensus: str | None = None     # research: None, "mean" or "max" (see Recall.turn)
     turn_draft: int = 0                   # research: answer tokens drafted at a turn to drive a second recall
     swap_floor: float = 0.0               # research: a page comes in only with this many times a uniform share
+    spread: int = 0                       # research: a stored page's mass is at least that of the pages before it
 
     def __post_init__(self):
         if self.turn_consensus not in (None, "mean", "max"):
@@ -64,6 +65,8 @@ class RecallConfig:
         d = self.turn_draft
         if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 64:
             raise ValueError(f"recall turn_draft must be an integer in 0..64, got {d!r}")
+        if isinstance(self.spread, bool) or not isinstance(self.spread, int) or not 0 <= self.spread <= 8:
+            raise ValueError(f"recall spread must be an integer in 0..8, got {self.spread!r}")
         f = self.swap_floor
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1e6:
             raise ValueError(f"recall swap_floor must be a number in [0, 1e6], got {f!r}")
@@ -527,7 +530,7 @@ class Recall:
         cells, si, e, kf_old = [], [], [], []
         for ss in runs:
             c, i, j, k = plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages, boost=boost,
-                              floor=self.config.swap_floor / max(extra, self.n_keep))
+                              floor=self.config.swap_floor / max(extra, self.n_keep), spread=self.config.spread)
             cells += c
             if i.size:
                 si.append(i), e.append(j), kf_old.append(k)
@@ -555,12 +558,30 @@ def _dot(q: np.ndarray, k: np.ndarray, dtype=np.float64) -> np.ndarray:
     return np.matmul(q, k.astype(dtype, copy=False).transpose(0, 2, 1)).reshape(S, I, r, -1)
 
 
+def _page_sums(x: np.ndarray, tp: np.ndarray, page: int, npg: int) -> np.ndarray:
+    """x [S, n] per resident token, at true positions tp [S, n] -> [S, npg] summed per store page
+    (tokens past the store's last page left out)."""
+    S = x.shape[0]
+    u = tp // page
+    ok = u < npg
+    flat = (np.arange(S)[:, None] * npg + np.minimum(u, npg - 1)).ravel()
+    return np.bincount(flat, weights=np.where(ok, x, 0.0).ravel(), minlength=S * npg).reshape(S, npg)
+
+
+def _behind(x: np.ndarray, k: int) -> np.ndarray:
+    """[S, n]: at page u, the max of x over pages u-k..u-1 (0 where there are none)."""
+    out = np.zeros_like(x)
+    for j in range(1, min(k, x.shape[1] - 1) + 1):
+        out[:, j:] = np.maximum(out[:, j:], x[:, :-j])
+    return out
+
+
 CHUNK_BYTES = 16 << 20      # a recall's temporaries per group of slots planned together
 
 
 def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.ndarray, tp: np.ndarray,
          protect: np.ndarray, P: int, N: int, boost: np.ndarray | None = None, scores_out: np.ndarray | None = None,
-         floor: float = 0.0):
+         floor: float = 0.0, spread: int = 0):
     """The swaps of slots ``ss`` (S of them), all at once.
 
     q [S, I, r, d] the queries; att [S, I, r, n_keep] their attention over the compacted cells, whose
@@ -574,6 +595,9 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     ``scores_out`` [S, store pages]: filled with the exact masses of the pages read.
     ``floor`` (research): a page comes in only if its mass is at least floor x queries x its tokens
     (the runtime passes swap_floor / cells held: that many times what uniform attention would give it).
+    ``spread`` (research): a stored page's mass, in ranking and exact scoring, is at least the mass of
+    each of the ``spread`` pages before it (by true position), resident or stored: the words a question
+    matches come before the fact it asks for, which may sit in the next page.
     Returns (cells: per slot int32 [n_s], the cells to overwrite; si, e: the store entries coming
     in, in the same order; kf: their keys as floats)."""
     S, I, r, _ = q.shape
@@ -585,6 +609,10 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
         mass = np.minimum(1.0, counts[:, None, None, :] * np.exp(est - lse_res[..., None])).sum(1).max(1)
     if boost is not None:
         mass = np.maximum(mass, boost[None, : mass.shape[1]])
+    npg, page = counts.shape[1], st.page
+    if spread:                  # the resident pages' masses (over the cache, per store page) spread too
+        src = np.maximum(np.where(live, mass, 0.0), _page_sums(att.sum(1).max(1), tp, page, npg))
+        mass = np.maximum(mass, _behind(src, spread))
     mass = np.where(live, mass, -np.inf)
     short = np.argsort(-mass, axis=1, kind="stable")[:, :N]                         # [S, N]
     ok_short = np.take_along_axis(live, short, 1)
@@ -623,6 +651,11 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     cell_tab = np.zeros((S, n_gp, P), np.int64)
     cell_tab[np.broadcast_to(sl[:, None], tp.shape), gp, tp % P] = np.arange(tp.shape[1])
     # pages in descending mass; each takes the next m/P groups; the first that does not beat them stops the slot
+    if spread:
+        read = np.zeros((S, npg))
+        read[np.broadcast_to(sl[:, None], short.shape), short] = np.where(m > 0, page_score, 0.0)
+        src = np.maximum(read, _page_sums(res_score, tp, page, npg))
+        page_score = np.where(m > 0, np.maximum(page_score, np.take_along_axis(_behind(src, spread), short, 1)), -np.inf)
     po = np.argsort(-page_score, axis=1, kind="stable")
     ps = np.take_along_axis(page_score, po, 1)
     need = np.take_along_axis(m, po, 1)
