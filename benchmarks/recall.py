@@ -104,7 +104,7 @@ SPLITS = {"tune": (20, 0), "heldout": (40, 500_000)}
 CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, "recall-turn32": {"turn_pages": 32},
            "recall-turn128": {"turn_pages": 128}, "recall-cmean": {"turn_consensus": "mean"},
            "recall-cmax": {"turn_consensus": "max"}, "recall-draft8": {"turn_draft": 8},
-           "recall-draft16": {"turn_draft": 16}, "recall-floor1": {"swap_floor": 1.0},
+           "recall-draft16": {"turn_draft": 16}, "recall-draft0": {"turn_draft": 0}, "recall-floor1": {"swap_floor": 1.0},
            "recall-floor4": {"swap_floor": 4.0}, "recall-spread1": {"spread": 1}, "recall-spread2": {"spread": 2}}
 
 

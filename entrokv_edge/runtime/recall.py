@@ -46,7 +46,7 @@ class RecallConfig:
     directory: str | None = None
     turn_pages: int = 128
     turn_consensus: str | None = None     # research: None, "mean" or "max" (see Recall.turn)
-    turn_draft: int = 0                   # research: answer tokens drafted at a turn to drive a second recall
+    turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
     swap_floor: float = 0.0               # research: a page comes in only with this many times a uniform share
     spread: int = 0                       # research: a stored page's mass is at least that of the pages before it
 
