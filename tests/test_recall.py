@@ -356,3 +356,19 @@ print("same", all(np.array_equal(a, b) for a, b in zip(before, after)) and st.k.
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "refused 27" in r.stdout and "same True" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_prompt_that_ends_in_its_own_eviction_keeps_the_logits_it_ended_with(model):
+    """Without a lookahead draft, a prompt's last window still scores when its final eviction has
+    compacted the last token, and the turn's recall runs: the last token cannot (and need not) be
+    evaluated again - its logits saw the whole cache. They stay, and decoding goes on."""
+    import llama_cpp
+    toks = prompt(200, 9)
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 4}, lookahead=0, **SETTINGS)
+    plain = llama_cpp.Llama(model, n_ctx=256, verbose=False, seed=0, n_threads=2, n_threads_batch=2)
+    plain.eval(toks)
+    llm.eval(toks)
+    assert llm.kv_report()["evictions"] == 1 and llm.kv_report()["recall"]["recalls"] >= 1
+    assert np.array_equal(logits(llm), logits(plain))
+    decode(llm, 6)
+    assert llm.n_tokens == 206

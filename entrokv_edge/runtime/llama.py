@@ -425,8 +425,11 @@ class EntroKVLlama(llama_cpp.Llama):
 
     def _refresh_last(self) -> None:
         """The last token evaluated again on the cache as it is now (a recall changed it): its keys, values
-        and logits then follow the recalled pages."""
+        and logits then follow the recalled pages. Not when the last eviction came after it (a prompt that
+        ends in its own eviction): it is one of the compacted cells, and its logits saw the whole cache."""
         n = self.n_tokens
+        if n <= self.recall.n_at_eviction:
+            return
         if not self._ctx.kv_cache_seq_rm(-1, n - 1, -1):
             raise RuntimeError("llama.cpp refused to remove the turn's last token for its re-evaluation")
         self.n_tokens = n - 1
