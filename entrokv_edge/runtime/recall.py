@@ -45,31 +45,19 @@ class RecallConfig:
     page_size: int = 16
     directory: str | None = None
     turn_pages: int = 128
-    turn_consensus: str | None = None     # research: None, "mean" or "max" (see Recall.turn)
     turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
-    swap_floor: float = 0.0               # research: a page comes in only with this many times a uniform share
-    spread: int = 0                       # research: a stored page's mass is at least that of the pages before it
 
     def __post_init__(self):
-        if self.turn_consensus not in (None, "mean", "max"):
-            raise ValueError(f"recall turn_consensus must be None, 'mean' or 'max', got {self.turn_consensus!r}")
         if self.directory is not None:
             d = os.fspath(self.directory)
             if not os.path.isdir(d) or not os.access(d, os.W_OK):
                 raise ValueError(f"recall directory {d!r} is not a writable directory")
             object.__setattr__(self, "directory", d)
-        for name in ("every", "pages", "page_size", "turn_pages"):
+        for name, lo, hi in (("every", 1, 4096), ("pages", 1, 4096), ("page_size", 1, 4096),
+                             ("turn_pages", 1, 4096), ("turn_draft", 0, 64)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
-                raise ValueError(f"recall {name} must be an integer in 1..4096, got {v!r}")
-        d = self.turn_draft
-        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 64:
-            raise ValueError(f"recall turn_draft must be an integer in 0..64, got {d!r}")
-        if isinstance(self.spread, bool) or not isinstance(self.spread, int) or not 0 <= self.spread <= 8:
-            raise ValueError(f"recall spread must be an integer in 0..8, got {self.spread!r}")
-        f = self.swap_floor
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1e6:
-            raise ValueError(f"recall swap_floor must be a number in [0, 1e6], got {f!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"recall {name} must be an integer in {lo}..{hi}, got {v!r}")
 
 
 def recall_config(value) -> RecallConfig | None:
@@ -205,7 +193,8 @@ class Store:
     ``pos`` int32 [S, M] true positions; ``k``, ``v`` (_Rows) [S, M, row bytes]: the cache's bytes, in
     host memory or in a file in ``directory``; ``sums`` float32 [S, pages, head_dim] and ``counts``
     [S, pages]: the sum of the keys (as floats) and the number of tokens of each page of true
-    positions in the store; ``means``: the digest, sums / counts. Positions and digests stay in memory."""
+    positions in the store; ``means``: the digest, sums / counts; ``table()`` int32 [S, pages, page
+    size]: the entry holding each true position (-1: none). Positions and digests stay in memory."""
 
     def __init__(self, n_slots: int, page_size: int, type_k: str, k_width: int, v_width: int, head_dim: int,
                  directory: str | None = None):
@@ -219,6 +208,7 @@ class Store:
         self.sums = np.zeros((n_slots, 0, head_dim), np.float32)
         self.counts = np.zeros((n_slots, 0), np.int64)
         self.means = np.zeros((n_slots, 0, head_dim), np.float32)     # sums / counts, kept up to date
+        self._table = None            # table(): built after each add, kept up to date by replace
 
     @property
     def n_tokens(self) -> int:
@@ -282,12 +272,31 @@ class Store:
             si = np.repeat(np.arange(a, b), m)
             self._account(si, pos[a:b].ravel(), self.keys(k[a:b]).reshape(-1, self.head_dim), +1)
         self.pos = np.concatenate([self.pos, pos.astype(np.int32)], axis=1)
+        self._table = None
+
+    def table(self) -> np.ndarray:
+        """int32 [S, pages, page size]: the entry of each true position, -1 where the store has none."""
+        S, npg = self.counts.shape
+        if self._table is None:
+            self._table = np.full((S, npg, self.page), -1, np.int32)
+            si = np.broadcast_to(np.arange(S)[:, None], self.pos.shape)
+            self._table[si, self.pos // self.page, self.pos % self.page] = np.arange(self.n_tokens)
+        elif self._table.shape[1] < npg:
+            self._table = np.concatenate([self._table, np.full((S, npg - self._table.shape[1], self.page), -1,
+                                                               np.int32)], 1)
+        return self._table
 
     def replace(self, si: np.ndarray, e: np.ndarray, pos: np.ndarray, k: np.ndarray, v: np.ndarray,
-                kf_old: np.ndarray) -> None:
-        """Entries (si[i], e[i]), whose keys as floats are kf_old[i], become the tokens (pos, k, v)."""
-        self._account(si, self.pos[si, e], kf_old, -1)
-        self._account(si, pos, self.keys(k), +1)
+                kf_old: np.ndarray, kf_new: np.ndarray | None = None) -> None:
+        """Entries (si[i], e[i]), whose keys as floats are kf_old[i], become the tokens (pos, k, v) (their
+        keys as floats kf_new, when the caller has them)."""
+        old = self.pos[si, e]
+        self._account(si, old, kf_old, -1)
+        self._account(si, pos, self.keys(k) if kf_new is None else kf_new, +1)
+        if self._table is not None:
+            t = self.table()                # as many pages as the digests now
+            t[si, old // self.page, old % self.page] = -1
+            t[si, pos // self.page, pos % self.page] = e
         self.pos[si, e] = pos
         self.k.scatter(si, e, k)
         self.v.scatter(si, e, v)
@@ -434,10 +443,9 @@ class Recall:
         if queries is None:
             return 0
         I = queries.shape[1]
-        return self._exact(llm, queries, pos_last - I + 1 + np.arange(I), self.config.turn_pages,
-                           self.config.turn_consensus)
+        return self._exact(llm, queries, pos_last - I + 1 + np.arange(I), self.config.turn_pages)
 
-    def _exact(self, llm, queries: np.ndarray, qpos: np.ndarray, n_pages: int, consensus: str | None = None) -> int:
+    def _exact(self, llm, queries: np.ndarray, qpos: np.ndarray, n_pages: int) -> int:
         """A recall for queries float32 [L, I, H, d] at true positions qpos [I]: their attention over
         the cache is computed exactly from every held key (causal by true position), then ``n_pages``
         pages are offered per buffer."""
@@ -471,8 +479,7 @@ class Recall:
                 logit[..., late] = np.where(late_seen[a:b, :, None, :], logit[..., late], -np.inf)
             lse = _lse(logit)                                                    # [s, I, r]
             return q, np.exp(logit[..., : self.n_keep] - lse[..., None]), lse   # compacted cells: 0..n_keep-1
-        return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, extra=cells.shape[1],
-                          consensus=consensus)
+        return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, extra=cells.shape[1])
 
     def _resident_keys(self, llm, g, tp: np.ndarray) -> np.ndarray:
         """float32 [S, n_keep, d]: the keys of the compacted cells, read once after an eviction and
@@ -502,16 +509,12 @@ class Recall:
         s = np.arange(g.n_slots)
         return g.n_slots, r, (s // G)[:, None], (s % G)[:, None] * r + np.arange(r)[None, :]
 
-    def _swap(self, llm, g, tp: np.ndarray, inputs, n_queries: int, n_pages: int, extra: int = 0,
-              consensus: str | None = None) -> int:
+    def _swap(self, llm, g, tp: np.ndarray, inputs, n_queries: int, n_pages: int, extra: int = 0) -> int:
         """Plan every slot's swaps, a few slots at a time (their temporaries bounded by CHUNK_BYTES);
         ``tp`` [S, n_keep]: the compacted cells' true positions.
         ``inputs(ss)`` gives slots ss's queries [s, I, r, d], their attention over the compacted cells
         [s, I, r, n_keep] and their log-sum-exp over the cache [s, I, r]. Then move the rows: displaced
-        tokens read out, stored ones written in, the store updated. ``consensus`` (research, "mean" or
-        "max"): a first pass scores the pages in every slot; a page's score in each slot is then at
-        least the mean (or max) over the slots of its scores (a page that some layers want is offered
-        to all)."""
+        tokens read out, stored ones written in, the store updated."""
         st = self.store
         P = self.eviction.page_size
         protect = np.zeros(max(int(tp.max()) + 1, self.n_at_eviction) // P + 2, bool)
@@ -519,18 +522,9 @@ class Recall:
         per_slot = 8 * 4 * n_queries * (self.n_keep + extra + n_pages * self.page + st.counts.shape[1])
         chunk = max(1, CHUNK_BYTES // max(per_slot, 1))
         runs = [np.arange(a, min(a + chunk, g.n_slots)) for a in range(0, g.n_slots, chunk)]
-        boost = None
-        if consensus:
-            seen = np.full(st.counts.shape, -np.inf)
-            for ss in runs:
-                plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages, scores_out=seen[ss[0]: ss[-1] + 1])
-            scored = np.isfinite(seen)
-            boost = (np.where(scored, seen, 0.0).sum(0) / np.maximum(scored.sum(0), 1) if consensus == "mean"
-                     else seen.max(0))
         cells, si, e, kf_old = [], [], [], []
         for ss in runs:
-            c, i, j, k = plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages, boost=boost,
-                              floor=self.config.swap_floor / max(extra, self.n_keep), spread=self.config.spread)
+            c, i, j, k = plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages)
             cells += c
             if i.size:
                 si.append(i), e.append(j), kf_old.append(k)
@@ -542,11 +536,11 @@ class Recall:
         parts = lambda a: [a[bounds[s]: bounds[s + 1]] for s in range(len(cells))]    # noqa: E731
         pos_in = st.pos[si, e]
         write_cells(llm, cells, parts(pos_in), parts(st.k.gather(si, e)), parts(st.v.gather(si, e)), g)
-        if self._keys is not None:                       # the resident keys follow the swap
-            for s, c in enumerate(cells):
-                self._keys[s, c], self._keys_pos[s, c] = kf_old[bounds[s]: bounds[s + 1]], pos_in[bounds[s]: bounds[s + 1]]
+        kf_out = np.concatenate([self._keys[s, c] for s, c in enumerate(cells)])    # the displaced keys as floats
+        for s, c in enumerate(cells):                    # the resident keys follow the swap
+            self._keys[s, c], self._keys_pos[s, c] = kf_old[bounds[s]: bounds[s + 1]], pos_in[bounds[s]: bounds[s + 1]]
         st.replace(si, e, np.concatenate([tp[s][c] for s, c in enumerate(cells)]),
-                   np.concatenate(out_k), np.concatenate(out_v), kf_old)
+                   np.concatenate(out_k), np.concatenate(out_v), kf_old, kf_out)
         self.recalled += int(si.size)
         return int(si.size)
 
@@ -558,30 +552,25 @@ def _dot(q: np.ndarray, k: np.ndarray, dtype=np.float64) -> np.ndarray:
     return np.matmul(q, k.astype(dtype, copy=False).transpose(0, 2, 1)).reshape(S, I, r, -1)
 
 
-def _page_sums(x: np.ndarray, tp: np.ndarray, page: int, npg: int) -> np.ndarray:
-    """x [S, n] per resident token, at true positions tp [S, n] -> [S, npg] summed per store page
-    (tokens past the store's last page left out)."""
-    S = x.shape[0]
-    u = tp // page
-    ok = u < npg
-    flat = (np.arange(S)[:, None] * npg + np.minimum(u, npg - 1)).ravel()
-    return np.bincount(flat, weights=np.where(ok, x, 0.0).ravel(), minlength=S * npg).reshape(S, npg)
-
-
-def _behind(x: np.ndarray, k: int) -> np.ndarray:
-    """[S, n]: at page u, the max of x over pages u-k..u-1 (0 where there are none)."""
-    out = np.zeros_like(x)
-    for j in range(1, min(k, x.shape[1] - 1) + 1):
-        out[:, j:] = np.maximum(out[:, j:], x[:, :-j])
-    return out
+def _smallest(x: np.ndarray, k: int) -> np.ndarray:
+    """np.argsort(x, axis=1, kind="stable")[:, :k] for x [S, n] without NaN, sorting only the candidates:
+    the values up to each row's k-th smallest (ties at it included, in index order)."""
+    S, n = x.shape
+    if k >= n // 4:
+        return np.argsort(x, axis=1, kind="stable")[:, :k]
+    kth = np.partition(x, k - 1, axis=1)[:, k - 1: k]
+    row, col = np.nonzero(x <= kth)                      # row-major: index order within each row
+    order = np.lexsort((col, x[row, col], row))
+    row, col = row[order], col[order]
+    first = np.searchsorted(row, np.arange(S))
+    return col[first[:, None] + np.arange(k)[None, :]].reshape(S, k)
 
 
 CHUNK_BYTES = 16 << 20      # a recall's temporaries per group of slots planned together
 
 
 def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.ndarray, tp: np.ndarray,
-         protect: np.ndarray, P: int, N: int, boost: np.ndarray | None = None, scores_out: np.ndarray | None = None,
-         floor: float = 0.0, spread: int = 0):
+         protect: np.ndarray, P: int, N: int):
     """The swaps of slots ``ss`` (S of them), all at once.
 
     q [S, I, r, d] the queries; att [S, I, r, n_keep] their attention over the compacted cells, whose
@@ -591,37 +580,21 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     query and head); the top N are read and scored exactly against the cache (their mass and the
     resident tokens' after renormalising over both); in that order, a page comes in while its mass
     beats that of the least attended whole, unprotected eviction pages it displaces.
-    ``boost`` [store pages] (research): a floor under every page's mass, in ranking and exact scoring;
-    ``scores_out`` [S, store pages]: filled with the exact masses of the pages read.
-    ``floor`` (research): a page comes in only if its mass is at least floor x queries x its tokens
-    (the runtime passes swap_floor / cells held: that many times what uniform attention would give it).
-    ``spread`` (research): a stored page's mass, in ranking and exact scoring, is at least the mass of
-    each of the ``spread`` pages before it (by true position), resident or stored: the words a question
-    matches come before the fact it asks for, which may sit in the next page.
     Returns (cells: per slot int32 [n_s], the cells to overwrite; si, e: the store entries coming
     in, in the same order; kf: their keys as floats)."""
-    S, I, r, _ = q.shape
+    S, _, r, _ = q.shape
     sl = np.arange(S)
     counts = st.counts[ss]
     live = counts > 0
     est = _dot(q, st.means[ss], np.float32)          # the digest's logit estimate (it only ranks: float32 will do)
     with np.errstate(over="ignore"):
         mass = np.minimum(1.0, counts[:, None, None, :] * np.exp(est - lse_res[..., None])).sum(1).max(1)
-    if boost is not None:
-        mass = np.maximum(mass, boost[None, : mass.shape[1]])
-    npg, page = counts.shape[1], st.page
-    if spread:                  # the resident pages' masses (over the cache, per store page) spread too
-        src = np.maximum(np.where(live, mass, 0.0), _page_sums(att.sum(1).max(1), tp, page, npg))
-        mass = np.maximum(mass, _behind(src, spread))
     mass = np.where(live, mass, -np.inf)
-    short = np.argsort(-mass, axis=1, kind="stable")[:, :N]                         # [S, N]
+    short = _smallest(-mass, N)                                                     # [S, N]
     ok_short = np.take_along_axis(live, short, 1)
     # the store entries of those pages: [S, N, page] (-1: none)
     page = st.page
-    pos = st.pos[ss]
-    table = np.full(counts.shape + (page,), -1, np.int64)
-    table[np.broadcast_to(sl[:, None], pos.shape), pos // page, pos % page] = np.arange(st.n_tokens)
-    ent = table[sl[:, None], short]
+    ent = st.table()[ss[:, None], short].astype(np.int64)
     ent[~ok_short] = -1
     ent = ent.reshape(S, -1)
     valid = ent >= 0
@@ -631,11 +604,7 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     tok = np.exp(logit - lse_seen[..., None]).sum(1)                                 # [S, r, N*page]
     m = valid.reshape(S, -1, page).sum(-1)                                           # tokens per read page
     page_score = tok.reshape(S, r, -1, page).sum(-1).max(1)                          # [S, N]
-    if boost is not None:
-        page_score = np.maximum(page_score, boost[short])
     page_score = np.where(m > 0, page_score, -np.inf)
-    if scores_out is not None:
-        scores_out[np.broadcast_to(sl[:, None], short.shape), short] = page_score
     res_score = (att * np.exp(lse_res - lse_seen)[..., None]).sum(1).max(1)          # [S, n_keep]
     # what can be displaced: whole eviction pages of compacted cells, none protected, least attended first
     gp = tp // P
@@ -646,28 +615,23 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     prot = np.zeros(n_gp, bool)
     prot[: min(n_gp, protect.size)] = protect[:n_gp]
     gscore = np.where((gcnt == P) & ~prot[None, :], gsum, np.inf)
-    by_score = np.argsort(gscore, axis=1, kind="stable")
+    by_score = _smallest(gscore, N * (-(-page // P)))       # no more groups than N pages displace
     gsorted = np.take_along_axis(gscore, by_score, 1)
     cell_tab = np.zeros((S, n_gp, P), np.int64)
     cell_tab[np.broadcast_to(sl[:, None], tp.shape), gp, tp % P] = np.arange(tp.shape[1])
     # pages in descending mass; each takes the next m/P groups; the first that does not beat them stops the slot
-    if spread:
-        read = np.zeros((S, npg))
-        read[np.broadcast_to(sl[:, None], short.shape), short] = np.where(m > 0, page_score, 0.0)
-        src = np.maximum(read, _page_sums(res_score, tp, page, npg))
-        page_score = np.where(m > 0, np.maximum(page_score, np.take_along_axis(_behind(src, spread), short, 1)), -np.inf)
     po = np.argsort(-page_score, axis=1, kind="stable")
     ps = np.take_along_axis(page_score, po, 1)
     need = np.take_along_axis(m, po, 1)
-    above = ps >= floor * I * need
     whole = need % P == 0
     need = need // P
     c1 = np.cumsum(need, axis=1)
     c0 = c1 - need
     gcum = np.concatenate([np.zeros((S, 1)), np.cumsum(np.where(np.isfinite(gsorted), gsorted, 1e300), 1)], 1)
     fits = c1 <= np.isfinite(gsorted).sum(1, keepdims=True)
-    disp = np.take_along_axis(gcum, np.minimum(c1, n_gp), 1) - np.take_along_axis(gcum, np.minimum(c0, n_gp), 1)
-    take = np.cumprod(whole & fits & above & (ps > disp) & (need > 0), axis=1).astype(bool)
+    n_gs = gsorted.shape[1]
+    disp = np.take_along_axis(gcum, np.minimum(c1, n_gs), 1) - np.take_along_axis(gcum, np.minimum(c0, n_gs), 1)
+    take = np.cumprod(whole & fits & (ps > disp) & (need > 0), axis=1).astype(bool)
     cells, si, e, kfs = [], [], [], []
     ent3 = ent.reshape(S, -1, page)
     kf3 = kf.reshape(S, -1, page, kf.shape[-1])
