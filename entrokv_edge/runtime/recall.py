@@ -477,8 +477,13 @@ class Recall:
                 logit = np.concatenate([logit, _dot(q, later[a:b], np.float32)], -1)
             if late.size:
                 logit[..., late] = np.where(late_seen[a:b, :, None, :], logit[..., late], -np.inf)
-            lse = _lse(logit)                                                    # [s, I, r]
-            return q, np.exp(logit[..., : self.n_keep] - lse[..., None]), lse   # compacted cells: 0..n_keep-1
+            # the softmax in place: the compacted cells (0..n_keep-1) precede every query, so each row has a finite max
+            m = logit.max(-1, keepdims=True)
+            np.exp(np.subtract(logit, m, out=logit), out=logit)
+            total = logit.sum(-1)                                                # [s, I, r]
+            att = logit[..., : self.n_keep]
+            att *= (1.0 / total)[..., None]
+            return q, att, m[..., 0] + np.log(total)
         return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, extra=cells.shape[1])
 
     def _resident_keys(self, llm, g, tp: np.ndarray) -> np.ndarray:
@@ -584,9 +589,10 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     in, in the same order; kf: their keys as floats)."""
     S, _, r, _ = q.shape
     sl = np.arange(S)
-    counts = st.counts[ss]
+    rows = slice(int(ss[0]), int(ss[0]) + S) if np.array_equal(ss, ss[0] + sl) else ss     # a run: views, no copies
+    counts = st.counts[rows]
     live = counts > 0
-    est = _dot(q, st.means[ss], np.float32)          # the digest's logit estimate (it only ranks: float32 will do)
+    est = _dot(q, st.means[rows], np.float32)        # the digest's logit estimate (it only ranks: float32 will do)
     with np.errstate(over="ignore"):
         mass = np.minimum(1.0, counts[:, None, None, :] * np.exp(est - lse_res[..., None])).sum(1).max(1)
     mass = np.where(live, mass, -np.inf)
@@ -632,21 +638,17 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     n_gs = gsorted.shape[1]
     disp = np.take_along_axis(gcum, np.minimum(c1, n_gs), 1) - np.take_along_axis(gcum, np.minimum(c0, n_gs), 1)
     take = np.cumprod(whole & fits & (ps > disp) & (need > 0), axis=1).astype(bool)
-    cells, si, e, kfs = [], [], [], []
-    ent3 = ent.reshape(S, -1, page)
-    kf3 = kf.reshape(S, -1, page, kf.shape[-1])
-    for s in range(S):
-        n_take = int(take[s].sum())
-        if not n_take:
-            cells.append(np.zeros(0, np.int32))
-            continue
-        groups = by_score[s, : int(c1[s, n_take - 1])]
-        cells.append(cell_tab[s, groups].ravel().astype(np.int32))
-        j = po[s, :n_take]
-        es, ks = ent3[s, j].ravel(), kf3[s, j].reshape(-1, kf.shape[-1])
-        e.append(es[es >= 0])
-        kfs.append(ks[es >= 0])
-        si.append(np.full(e[-1].size, ss[s]))
-    if not si:
+    # per slot: the groups displaced (the first c1 of by_score) and the pages taken (the first n_take of po)
+    n_take = take.sum(1)
+    n_groups = np.where(n_take > 0, np.take_along_axis(c1, np.maximum(n_take - 1, 0)[:, None], 1)[:, 0], 0)
+    gmask = np.arange(by_score.shape[1])[None, :] < n_groups[:, None]
+    out = cell_tab[np.nonzero(gmask)[0], by_score[gmask]].ravel().astype(np.int32)
+    cells = np.split(out, np.cumsum(n_groups * P)[:-1])
+    pmask = np.arange(po.shape[1])[None, :] < n_take[:, None]
+    if not pmask.any():
         return cells, np.zeros(0, np.int64), np.zeros(0, np.int64), None
-    return cells, np.concatenate(si), np.concatenate(e), np.concatenate(kfs)
+    prow = np.nonzero(pmask)[0]
+    es = ent.reshape(S, -1, page)[prow, po[pmask]]                                   # [taken pages, page]
+    ks = kf.reshape(S, -1, page, kf.shape[-1])[prow, po[pmask]]
+    ok = es >= 0
+    return cells, np.broadcast_to(ss[prow][:, None], es.shape)[ok], es[ok], ks[ok]

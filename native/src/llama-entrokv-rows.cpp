@@ -111,6 +111,26 @@ void move_rows_vtrans(ggml_tensor * v, bool write, char * rows, uint32_t c0, int
     }
 }
 
+// One head's V slices of the n listed cells in a transposed V on a host buffer, channel by
+// channel: each channel row is walked once for all of them (per element, no call per span).
+template <typename T>
+void move_vtrans_host(ggml_tensor * v, bool write, char * rows, const int32_t * cells, size_t n, int32_t h, int32_t hd,
+        uint32_t kv_size) {
+    T * out = (T *) rows;                       // rows: n x hd elements, row form
+    for (int32_t d = 0; d < hd; ++d) {
+        T * ch = (T *) v->data + (size_t) (h * hd + d) * kv_size;
+        if (write) {
+            for (size_t i = 0; i < n; ++i) {
+                ch[cells[i]] = out[i * hd + d];
+            }
+        } else {
+            for (size_t i = 0; i < n; ++i) {
+                out[i * hd + d] = ch[cells[i]];
+            }
+        }
+    }
+}
+
 // move every listed row, slot by slot, each run of consecutive cells as one span
 void move_all(const entrokv_rows_plan & p, bool write, const int32_t * cells, char * k, char * v) {
     std::vector<char> span;
@@ -118,6 +138,15 @@ void move_all(const entrokv_rows_plan & p, bool write, const int32_t * cells, ch
     for (size_t s = 0; s + 1 < p.first.size(); ++s) {
         const auto & li = p.layers[p.slot_layer[s]];
         const int32_t h = p.slot_head[s];
+        const size_t n = p.first[s + 1] - p.first[s];
+        // a transposed V on the host, in elements of 2 or 4 bytes: the slot's cells at once
+        const size_t es = v != nullptr && p.v_trans && is_host(li.v) ? ggml_type_size(li.v->type) : 0;
+        if (es == 2) {
+            move_vtrans_host<uint16_t>(li.v, write, v + vo, cells + p.first[s], n, h, li.hd_v, p.kv_size);
+        } else if (es == 4) {
+            move_vtrans_host<uint32_t>(li.v, write, v + vo, cells + p.first[s], n, h, li.hd_v, p.kv_size);
+        }
+        const bool v_done = es == 2 || es == 4;
         for (size_t j = p.first[s]; j < p.first[s + 1]; ) {
             int32_t m = 1;
             while (j + m < p.first[s + 1] && cells[j + m] == cells[j] + m) {
@@ -125,8 +154,8 @@ void move_all(const entrokv_rows_plan & p, bool write, const int32_t * cells, ch
             }
             const uint32_t c0 = (uint32_t) cells[j];
             move_rows(li.k, write, k + ko, c0, m, li.k->nb[1], (size_t) h * li.k_row, li.k_row, span);
-            if (v == nullptr) {
-                // keys only (a read)
+            if (v == nullptr || v_done) {
+                // keys only (a read), or V moved above
             } else if (p.v_trans) {
                 move_rows_vtrans(li.v, write, v + vo, c0, m, h, li.hd_v, p.kv_size, span);
             } else {
@@ -246,8 +275,13 @@ int32_t llama_entrokv_access::write_cells(llama_context * ctx, int32_t n_slots_i
     const auto & kc = kv.v_cells[0];
     const uint32_t n_keep = st->n_keep;
     // each slot's held true positions after the write must be distinct: the ones it keeps, plus the new ones
-    std::vector<int32_t> table((size_t) ns * p.kv_size);
-    fill_true_pos(kv, table.data(), p.kv_size);
+    // (the cells past the last used one hold nothing: the table stops there)
+    uint32_t n_cols = p.kv_size;
+    while (n_cols > 0 && kc.is_empty(n_cols - 1)) {
+        --n_cols;
+    }
+    std::vector<int32_t> table((size_t) ns * n_cols);
+    fill_true_pos(kv, table.data(), n_cols);
     std::vector<uint8_t> mark((size_t) st->pos_hi + 1, 0), written((size_t) n_keep, 0);
     for (int32_t s = 0; s < ns; ++s) {
         for (size_t j = p.first[s]; j < p.first[s + 1]; ++j) {
@@ -267,12 +301,12 @@ int32_t llama_entrokv_access::write_cells(llama_context * ctx, int32_t n_slots_i
             }
         }
         // the positions the slot keeps: every cell not written (compacted cells below n_keep, then the rest)
-        int32_t * held = table.data() + (size_t) s * p.kv_size;
+        int32_t * held = table.data() + (size_t) s * n_cols;
         for (size_t j = p.first[s]; j < p.first[s + 1]; ++j) {
             held[cells[j]] = -1;
         }
         int32_t clash = -1;
-        for (uint32_t c = 0; c < p.kv_size && clash < 0; ++c) {
+        for (uint32_t c = 0; c < n_cols; ++c) {
             if (held[c] >= 0 && held[c] <= st->pos_hi) {
                 mark[held[c]] = 1;
             }
@@ -283,7 +317,15 @@ int32_t llama_entrokv_access::write_cells(llama_context * ctx, int32_t n_slots_i
             }
             mark[tpos[j]] = 1;
         }
-        std::fill(mark.begin(), mark.end(), 0);
+        // unmark what was marked (cheaper than clearing all of 0..pos_hi for every slot)
+        for (uint32_t c = 0; c < n_cols; ++c) {
+            if (held[c] >= 0 && held[c] <= st->pos_hi) {
+                mark[held[c]] = 0;
+            }
+        }
+        for (size_t j = p.first[s]; j < p.first[s + 1]; ++j) {
+            mark[tpos[j]] = 0;
+        }
         for (size_t j = p.first[s]; j < p.first[s + 1]; ++j) {
             written[cells[j]] = 0;
         }
