@@ -83,7 +83,7 @@ Its rows: spread1 1 / 8, spread2 0 / 6 (recall 1 / 4): spread1 went on; held out
 
 Round 6 (the rule written before its rows): a sparser schedule while decoding, for issue 23's decode goal
 (1.5x the full cache's decode speed at 8k tokens). recall-every8 replaces the default (every = 4) only if
-all of: (1) the decode part, run at the commit of this text with evicted, recall, recall-every8 and
+all of: (1) the decode part (started at 4ea9e71, whose code this commit keeps) with evicted, recall, recall-every8 and
 recall-every16 interleaved, gives recall-every8 at least 1.5x the full cache's tok/s; (2) the fidelity
 part on SmolLM2 and Gemma 3 gives it a mean KL below head-independent eviction's on both (the bar of the
 issue), with at most 10% more than recall's on either; (3) the follow-up part's tune split gives it no
