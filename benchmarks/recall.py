@@ -89,6 +89,16 @@ part on SmolLM2 and Gemma 3 gives it a mean KL below head-independent eviction's
 issue), with at most 10% more than recall's on either; (3) the follow-up part's tune split gives it no
 fewer right answers than recall on either model. If (1) fails for every8, recall-every16 is judged the
 same way in its place. Qwen2.5 does not run (about 40 minutes per configuration here).
+
+Round 7 (the rule written before its rows): round 6's follow-up rows on Gemma 3 (recall 7, recall-every8 15
+of 18) suggest that the decoding recall 4 tokens into an answer displaces the pages the turn's draft
+brought back, before the answer reaches the fact (the wrong answers restate the question, then lose the
+number). RecallConfig's research option ``hold_draft``: a decoding recall's queries are the tokens decoded
+since the last recall plus the turn's draft queries at positions not decoded yet (every = 4 kept).
+recall-hold, on the follow-up part's tune split and the fidelity part, SmolLM2 and Gemma 3, against
+round 6's recall rows (the same code path, commit 08c3a58). It goes on to the held-out split (three
+models) only if it has more right answers than recall over both models, loses no model, and keeps the
+fidelity mean KL below head-independent eviction's on both. Not adopted without the held-out split.
 """
 from __future__ import annotations
 
@@ -122,7 +132,7 @@ SPLITS = {"tune": (20, 0), "heldout": (40, 500_000)}
 CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, "recall-turn32": {"turn_pages": 32},
            "recall-turn128": {"turn_pages": 128}, "recall-draft8": {"turn_draft": 8},
            "recall-draft16": {"turn_draft": 16}, "recall-draft0": {"turn_draft": 0},
-           "recall-every8": {"every": 8}, "recall-every16": {"every": 16}}
+           "recall-every8": {"every": 8}, "recall-every16": {"every": 16}, "recall-hold": {"hold_draft": True}}
 # rounds 2, 4 and 5's options (turn_consensus; swap_floor; spread) were not adopted and left the code after
 # them: their configurations (recall-cmean/cmax; recall-floor1/4; recall-spread1/2) run from commit c2cb138
 

@@ -121,7 +121,7 @@ def test_sessions_keep_the_store_and_go_on_identically(model, tmp_path):
 def test_recall_settings_are_checked(model):
     for bad in (dict(every=0), dict(pages=-1), dict(page_size=2.5), dict(nope=1), dict(directory="/no/such/dir"),
                 dict(turn_draft=-1), dict(turn_draft=65), dict(turn_draft=True),
-                dict(turn_pages=4097), dict(every=True)):
+                dict(turn_pages=4097), dict(every=True), dict(hold_draft=1)):
         with pytest.raises((ValueError, TypeError)):
             ek.EntroKVLlama(model, n_ctx=256, recall=bad, **SETTINGS)
     with pytest.raises(TypeError):
@@ -157,6 +157,41 @@ def test_the_answer_starts_from_the_cache_as_recalled_with_or_without_a_turn_dra
         fresh[k] = np.array_equal(seen, logits(llm))
         assert rep["recalled_tokens"] > 0
     assert fresh == {0: True, 6: True}
+
+
+def test_a_held_draft_joins_the_decoding_recalls_until_the_answer_passes_it(model, tmp_path):
+    """hold_draft (research option): after a turn's draft, each decoding recall's queries are the tokens
+    decoded since the last recall plus the draft's queries at positions not decoded yet, and the draft
+    is dropped once the answer has passed it; a session saved mid-answer keeps it."""
+    from entrokv_edge.runtime import recall as R
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6, "hold_draft": True}, **SETTINGS)
+    llm.eval(prompt(200, 4))
+    decode(llm, 5)
+    n = llm.n_tokens + 10
+    llm.eval(prompt(10, 5))                                   # a turn: its recall, then the draft's
+    hq, hpos = llm.recall.held
+    assert hq.shape[1] == 6 and np.array_equal(hpos, np.arange(n, n + 6))
+    seen = []
+    exact = R.Recall._exact
+    R.Recall._exact = lambda self, l, q, qpos, N: (seen.append((q.copy(), qpos.copy())), exact(self, l, q, qpos, N))[1]
+    try:
+        decode(llm, 2)                                        # every=2: one recall, after positions n, n + 1
+        llm.save_session(tmp_path / "s.entrokv")
+        decode(llm, 6)
+    finally:
+        R.Recall._exact = exact
+    q, qpos = seen[0]
+    assert qpos.tolist() == [n, n + 1, n + 2, n + 3, n + 4, n + 5]        # decoded, then the draft ahead
+    assert np.array_equal(q[:, 2:], hq[:, 2:])
+    assert seen[1][1].tolist() == [n + 2, n + 3, n + 4, n + 5]
+    assert seen[2][1].tolist() == [n + 4, n + 5] and llm.recall.held is None     # passed: dropped
+    assert seen[3][1].tolist() == [n + 6, n + 7]
+    b = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6, "hold_draft": True}, **SETTINGS)
+    b.load_session(tmp_path / "s.entrokv")
+    assert np.array_equal(b.recall.held[0], hq) and np.array_equal(b.recall.held[1], hpos)
+    c = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6}, **SETTINGS)
+    c.load_session(tmp_path / "s.entrokv")                    # the option off: nothing held
+    assert c.recall.held is None
 
 
 def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm2):

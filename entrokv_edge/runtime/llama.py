@@ -410,6 +410,7 @@ class EntroKVLlama(llama_cpp.Llama):
                 obs.stop()
             if steps:           # the recall sees the draft's cells too (causally, by true position)
                 moved = self.recall.turn(self, np.stack(steps, 1), n + len(steps) - 1)
+                self.recall.hold(np.stack(steps, 1), n + len(steps) - 1)
                 self.recall.n_recalls += 1
                 self.recall.drafted += len(steps)
         except BaseException:

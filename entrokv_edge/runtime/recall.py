@@ -46,6 +46,7 @@ class RecallConfig:
     directory: str | None = None
     turn_pages: int = 128
     turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
+    hold_draft: bool = False              # research: decoding recalls also see the draft's queries not yet decoded
 
     def __post_init__(self):
         if self.directory is not None:
@@ -58,6 +59,8 @@ class RecallConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"recall {name} must be an integer in {lo}..{hi}, got {v!r}")
+        if not isinstance(self.hold_draft, bool):
+            raise ValueError(f"recall hold_draft must be True or False, got {self.hold_draft!r}")
 
 
 def recall_config(value) -> RecallConfig | None:
@@ -325,6 +328,7 @@ class Recall:
         self.recalled = 0                     # tokens brought back, all slots together
         self.n_recalls = 0
         self.drafted = 0                      # tokens drafted at turns to drive a recall (turn_draft), then removed
+        self.held: tuple | None = None        # hold_draft: the last turn's draft queries [L, k, H, d], positions [k]
         self._keys = None                     # float32 [S, n_keep, d]: the compacted cells' keys, kept between
         self._keys_pos = None                 # recalls, and the true positions they were read for [S, n_keep]
 
@@ -359,6 +363,7 @@ class Recall:
         held[np.arange(g.n_slots)[:, None], cells] = False
         gone = [np.flatnonzero(h).astype(np.int32) for h in held]
         self.steps.clear()
+        self.held = None
         self._keys = self._keys_pos = None    # compaction moves the cells
         if not gone[0].size:
             return
@@ -371,6 +376,7 @@ class Recall:
         if self.store is not None:
             self.store.close()
         self.store, self.steps, self.n_keep, self.n_at_eviction = None, [], 0, 0
+        self.held = None
         self._keys = self._keys_pos = None
 
     # --- sessions -------------------------------------------------------------------
@@ -384,9 +390,12 @@ class Recall:
         si = np.broadcast_to(np.arange(st.pos.shape[0])[:, None], st.pos.shape)
         # the tokens observed since the last recall: a restored session recalls when this one would
         q = np.stack([x[0] for x in self.steps]) if self.steps else np.zeros(0, np.float32)
-        return {"recall_pos": st.pos.copy(), "recall_k": st.k.gather(si, e), "recall_v": st.v.gather(si, e),
-                "recall_info": np.array([self.n_keep, self.n_at_eviction], np.int64),
-                "recall_q": q, "recall_qpos": np.array([x[1] for x in self.steps], np.int64)}
+        out = {"recall_pos": st.pos.copy(), "recall_k": st.k.gather(si, e), "recall_v": st.v.gather(si, e),
+               "recall_info": np.array([self.n_keep, self.n_at_eviction], np.int64),
+               "recall_q": q, "recall_qpos": np.array([x[1] for x in self.steps], np.int64)}
+        if self.held is not None:
+            out["recall_hq"], out["recall_hpos"] = self.held[0].copy(), self.held[1].astype(np.int64)
+        return out
 
     def load(self, llm, a: dict) -> None:
         """Restore a store saved by ``arrays`` into this (emptied) recall, for ``llm``'s cache;
@@ -402,6 +411,11 @@ class Recall:
         if n_steps and (qpos.shape != (n_steps,) or q.shape[1] != g.n_layers or qpos.min() < 0
                         or qpos.max() > g.pos_max):
             raise ValueError("its recall store's observed steps do not fit this cache")
+        held = None
+        if "recall_hq" in a:
+            held = (np.asarray(a["recall_hq"], np.float32), np.asarray(a["recall_hpos"], np.int64))
+            if held[0].ndim != 4 or held[0].shape[0] != g.n_layers or held[1].shape != (held[0].shape[1],):
+                raise ValueError("its recall store's held draft does not fit this cache")
         store = self._new_store(g)
         M = pos.shape[-1] if pos.ndim == 2 else -1
         if (pos.ndim != 2 or pos.shape[0] != g.n_slots or k.shape != (g.n_slots, M, store.k.width)
@@ -413,6 +427,8 @@ class Recall:
         self.store = store
         self.n_keep, self.n_at_eviction = int(info[0]), int(info[1])
         self.steps = [(q[i], int(qpos[i])) for i in range(n_steps)]
+        if held is not None and self.config.hold_draft:
+            self.held = held
 
     # --- generation -----------------------------------------------------------------
 
@@ -432,14 +448,29 @@ class Recall:
         steps, self.steps = self.steps, []
         if not steps:
             return 0
-        return self._exact(llm, np.stack([q for q, _ in steps], 1), np.array([p for _, p in steps]),
-                           self.config.pages)
+        q, qpos = np.stack([q for q, _ in steps], 1), np.array([p for _, p in steps])
+        if self.held is not None:          # hold_draft: the draft's queries for the answer tokens not decoded yet
+            hq, hpos = self.held
+            ahead = hpos > qpos.max()
+            if ahead.any():
+                q, qpos = np.concatenate([q, hq[:, ahead]], 1), np.concatenate([qpos, hpos[ahead]])
+            else:
+                self.held = None
+        return self._exact(llm, q, qpos, self.config.pages)
+
+    def hold(self, queries: np.ndarray, pos_last: int) -> None:
+        """hold_draft: keep a turn's draft queries (float32 [L, k, H, d], the last at ``pos_last``) for the
+        decoding recalls of the answer's first k tokens."""
+        if self.config.hold_draft:
+            k = queries.shape[1]
+            self.held = (queries, pos_last - k + 1 + np.arange(k))
 
     def turn(self, llm, queries: np.ndarray, pos_last: int) -> int:
         """A recall at a new turn, for its observed window's queries (float32 [L, w, H, d], the last
         at position ``pos_last``); ``turn_pages`` pages are offered per buffer. Returns the tokens
         brought back."""
         self.steps.clear()
+        self.held = None
         if queries is None:
             return 0
         I = queries.shape[1]
