@@ -72,9 +72,10 @@ def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, w
         rep["store_bytes_in_memory"] == rep["store_bytes"]          # in a file, only positions stay in memory
     assert list(tmp_path.iterdir()) == []            # the store's file has no name: nothing is left behind
     assert (np.sort(tp[:, :64], 1) != np.sort(evicted_to, 1)).any(axis=1).sum() > g.n_slots // 2   # pages came back
-    # the resident keys kept between recalls are the compacted cells' keys, as read now
+    # the resident keys kept between recalls ([S, d, n], transposed) are the compacted cells' keys, as read now
     k, _ = read_cells(llm, [np.arange(64, dtype=np.int32)] * g.n_slots, keys_only=True)
-    assert np.array_equal(llm.recall._keys, st.keys(np.stack(k))) and np.array_equal(llm.recall._keys_pos, tp[:, :64])
+    assert np.array_equal(llm.recall._keys, st.keys(np.stack(k)).transpose(0, 2, 1))
+    assert np.array_equal(llm.recall._keys_pos, tp[:, :64])
     # the entry table kept through the swaps is the one built afresh from the positions
     table = st.table().copy()
     st._table = None

@@ -152,3 +152,51 @@ def test_read_refuses_empty_cells_and_bad_lists(synth_models):
         read_cells(a, [[-1]] * ns)
     with pytest.raises(TypeError):
         read_cells(a, [[0.5]] * ns)
+
+
+
+def test_rows_given_flat_write_what_per_slot_lists_write(synth_models):
+    """write_cells' flat form (every slot's positions and rows in turn, as read_cells(buffers=True)
+    reads them) writes the same cache as the per-slot lists; a flat form of the wrong length is
+    refused with the cache untouched."""
+    path = synth_models["llama-r3"]
+    rng = np.random.default_rng(8)
+    a, b = filled(path, type_k="f16"), filled(path, type_k="f16")
+    g = ek.geometry(a)
+    keep = random_keep(rng, g.n_slots, N, K, protect=4)
+    cells, pos = swap_plan(rng, keep, 5, protect=4)
+    fk, fv = read_cells(a, pos, buffers=True)          # before the compaction cell j holds position j
+    lk, lv = read_cells(a, pos)
+    ek.compact(a, keep), ek.compact(b, keep)
+    blob, tp = state_blob(b), ek.true_positions(b)
+    flat_pos = np.concatenate(pos)
+    with pytest.raises(ValueError, match="one position per listed cell"):
+        write_cells(b, cells, flat_pos[:-1], fk, fv)
+    with pytest.raises(ek.EntroKVError, match="BUFFER_SIZE"):
+        write_cells(b, cells, flat_pos, fk[:-1], fv)
+    assert state_blob(b) == blob and (ek.true_positions(b) == tp).all()
+    write_cells(a, cells, pos, lk, lv, g)
+    write_cells(b, cells, flat_pos, fk, fv, g)
+    assert (ek.true_positions(b) == ek.true_positions(a)).all()
+    assert state_blob(b) == state_blob(a) != blob
+
+
+@pytest.mark.parametrize("type_name", ["f32", "f16", "bf16"])
+def test_rows_to_float_converts_exact_types_as_ggml_does(type_name):
+    """F32 / F16 / BF16 rows convert in numpy (the recall's hot path); every bit pattern of a 16-bit
+    type, and random F32 words, must give the floats ggml's own conversion gives (NaNs as NaNs)."""
+    from entrokv_edge.bindings.native import _ggml_to_float, rows_to_float
+    if type_name == "f32":
+        words = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+        words[:4] = [0, 0x80000000, 0x7F800000, 0x00000001]          # zeros, inf, a subnormal
+        rows = words.view(np.uint8).reshape(64, -1)
+    else:
+        rows = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.uint8).reshape(512, -1)
+    tid = {"f32": 0, "f16": 1, "bf16": 30}[type_name]
+    got, want = rows_to_float(rows, type_name), _ggml_to_float(rows, tid)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    with pytest.raises(ValueError, match="whole blocks"):
+        rows_to_float(np.zeros((2, 6), np.uint8), "f32")

@@ -219,7 +219,7 @@ def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0,
     else:
         rows = [np.asarray(r) for r in keep]
         for r in rows:
-            if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
+            if r.ndim != 1 or (r.size and r.dtype.kind not in "iu"):
                 raise TypeError("each keep list must be a 1-D array of integer cell indices")
             _check_int32_range(r)
         n_rows = len(rows)
@@ -233,10 +233,16 @@ def compact(llm, keep: np.ndarray | Sequence[Sequence[int]], *, seq_id: int = 0,
 
 
 def _row_bytes(g: KVGeometry) -> tuple[np.ndarray, np.ndarray]:
-    """int64 [n_slots] each: bytes of one (slot, cell) row of K and of V (one KV head's slice)."""
-    k = np.concatenate([np.full(l.n_head_kv, l.k_bytes_per_cell // l.n_head_kv) for l in g.layers])
-    v = np.concatenate([np.full(l.n_head_kv, l.v_bytes_per_cell // l.n_head_kv) for l in g.layers])
-    return k.astype(np.int64), v.astype(np.int64)
+    """int64 [n_slots] each: bytes of one (slot, cell) row of K and of V (one KV head's slice). Read-only."""
+    return _layer_row_bytes(g.layers)
+
+
+@lru_cache(maxsize=16)
+def _layer_row_bytes(layers: tuple[KVLayer, ...]) -> tuple[np.ndarray, np.ndarray]:
+    k = np.concatenate([np.full(l.n_head_kv, l.k_bytes_per_cell // l.n_head_kv) for l in layers]).astype(np.int64)
+    v = np.concatenate([np.full(l.n_head_kv, l.v_bytes_per_cell // l.n_head_kv) for l in layers]).astype(np.int64)
+    k.flags.writeable = v.flags.writeable = False
+    return k, v
 
 
 def _cell_lists(cells, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
@@ -245,7 +251,7 @@ def _cell_lists(cells, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
     if len(rows) != n_slots:
         raise ValueError(f"got {len(rows)} cell lists, the cache has {n_slots} (layer, KV head) slots")
     for r in rows:
-        if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
+        if r.ndim != 1 or (r.size and r.dtype.kind not in "iu"):
             raise TypeError("each cell list must be a 1-D array of integer cell indices")
         _check_int32_range(r)
     lens = np.array([r.size for r in rows], dtype=np.int32)
@@ -279,22 +285,34 @@ def read_cells(llm, cells, g: KVGeometry | None = None, buffers: bool = False, k
 def write_cells(llm, cells, true_pos, k, v, g: KVGeometry | None = None) -> None:
     """Write rows into compacted cells: for slot s, cell ``cells[s][j]`` receives the K and V
     slices ``k[s][j]`` and ``v[s][j]`` (uint8 rows as ``read_cells`` gives them) and from
-    now on holds true position ``true_pos[s][j]`` for that slot. Refused (EntroKVError, the
+    now on holds true position ``true_pos[s][j]`` for that slot. ``true_pos``, ``k`` and ``v``
+    may also be given flat, every slot's in turn: a 1-D integer array, and uint8 arrays of
+    the rows (as ``read_cells(..., buffers=True)`` gives them). Refused (EntroKVError, the
     cache untouched) unless every cell is a compacted cell, listed once, and every slot's
     true positions stay distinct. ``g``: the cache's geometry, if the caller has it."""
     ffi, lib = _api()
     g = g or geometry(llm)
     lens, flat = _cell_lists(cells, g.n_slots)
-    _, tp = _cell_lists(true_pos, g.n_slots)
-    if [len(np.asarray(t)) for t in true_pos] != lens.tolist():
-        raise ValueError("true_pos must have one position per listed cell")
-    kb, vb = _row_bytes(g)
-    kk = np.ascontiguousarray(np.concatenate([np.asarray(a, np.uint8).ravel() for a in k]) if len(k) else
-                              np.zeros(0, np.uint8))
-    vv = np.ascontiguousarray(np.concatenate([np.asarray(a, np.uint8).ravel() for a in v]) if len(v) else
-                              np.zeros(0, np.uint8))
-    if len(k) != g.n_slots or len(v) != g.n_slots:
-        raise ValueError(f"k and v must hold one row array per slot ({g.n_slots})")
+    if isinstance(true_pos, np.ndarray) and true_pos.ndim == 1:
+        if true_pos.size and true_pos.dtype.kind not in "iu":
+            raise TypeError("true_pos must hold integer positions")
+        if true_pos.size != int(lens.sum()):
+            raise ValueError("true_pos must have one position per listed cell")
+        _check_int32_range(true_pos)
+        tp = np.ascontiguousarray(true_pos, np.int32) if true_pos.size else np.zeros(1, np.int32)
+    else:
+        _, tp = _cell_lists(true_pos, g.n_slots)
+        if [len(np.asarray(t)) for t in true_pos] != lens.tolist():
+            raise ValueError("true_pos must have one position per listed cell")
+
+    def rows(a, name):
+        if isinstance(a, np.ndarray) and a.dtype == np.uint8:
+            return np.ascontiguousarray(a).reshape(-1)
+        if len(a) != g.n_slots:
+            raise ValueError(f"{name} must hold one row array per slot ({g.n_slots}), or all rows as one uint8 array")
+        return np.ascontiguousarray(np.concatenate([np.asarray(x, np.uint8).ravel() for x in a]) if len(a) else
+                                    np.zeros(0, np.uint8))
+    kk, vv = rows(k, "k"), rows(v, "v")
     _check(lib.llama_entrokv_write_cells(context_pointer(llm), g.n_slots, ffi.from_buffer("int32_t[]", lens),
                                          ffi.from_buffer("int32_t[]", flat), ffi.from_buffer("int32_t[]", tp),
                                          ffi.from_buffer("char[]", kk) if kk.size else ffi.NULL, kk.size,
@@ -303,20 +321,33 @@ def write_cells(llm, cells, true_pos, k, v, g: KVGeometry | None = None) -> None
 
 def rows_to_float(rows: np.ndarray, type_name: str) -> np.ndarray:
     """float32 [n, elements]: rows (uint8 [n, bytes], as ``read_cells`` gives them) of a cache
-    type (``KVGeometry.type_k`` / ``type_v``) converted to float as ggml converts them."""
-    ffi, lib = _api()
+    type (``KVGeometry.type_k`` / ``type_v``) converted to float as ggml converts them. F32, F16
+    and BF16 convert exactly, here; the quantized types through ggml's own conversion."""
     ids = {v: k for k, v in _GGML_TYPE_NAMES.items()}
     t = ids[type_name] if type_name in ids else int(type_name)
     rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    n, nb = rows.shape
+    if t in (0, 1, 30) and nb % (4 if t == 0 else 2) == 0:
+        if t == 0:
+            return rows.view(np.float32).copy()
+        if t == 1:
+            return rows.view(np.float16).astype(np.float32)
+        return (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return _ggml_to_float(rows, t)
+
+
+def _ggml_to_float(rows: np.ndarray, t: int) -> np.ndarray:
+    """rows_to_float through ggml's conversion of type id ``t``."""
+    ffi, lib = _api()
     n, nb = rows.shape
     # elements per row: bytes / (bytes per block) * (elements per block), from one probe of the type
     per = {0: (4, 1), 1: (2, 1), 30: (2, 1), 8: (34, 32), 2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32),
            20: (18, 32)}
     if t not in per:
-        raise ValueError(f"cache type {type_name} cannot be converted here")
+        raise ValueError(f"cache type {_GGML_TYPE_NAMES.get(t, t)} cannot be converted here")
     bb, be = per[t]
     if nb % bb:
-        raise ValueError(f"a row of {nb} bytes is not whole blocks of {type_name}")
+        raise ValueError(f"a row of {nb} bytes is not whole blocks of {_GGML_TYPE_NAMES.get(t, t)}")
     out = np.empty((n, nb // bb * be), np.float32)
     if out.size:
         _check(lib.llama_entrokv_to_float(t, ffi.from_buffer("char[]", rows), ffi.from_buffer("float[]", out), out.size))

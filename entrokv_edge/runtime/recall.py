@@ -109,9 +109,13 @@ class _Rows:
         self.n -= self.seg_n.pop()
 
     def _parts(self, e: np.ndarray):
+        """(which of e, segment, its first entry) for each segment that entries e lie in."""
+        if len(self.segs) == 1:
+            yield slice(None), 0, 0
+            return
         starts = np.array([a for a, _ in self.segs])
         seg = np.searchsorted(starts, e, side="right") - 1
-        for j in np.unique(seg):
+        for j in np.flatnonzero(np.bincount(seg.ravel(), minlength=len(self.segs))):
             yield seg == j, j, starts[j]
 
     def _offsets(self, j: int, si: np.ndarray, e: np.ndarray) -> np.ndarray:
@@ -252,11 +256,15 @@ class Store:
         flat = si * self.counts.shape[1] + pages
         order = np.argsort(flat, kind="stable")
         u, starts = np.unique(flat[order], return_index=True)
-        sums = self.sums.reshape(-1, self.head_dim)
-        sums[u] += sign * np.add.reduceat(kf[order].astype(np.float32, copy=False), starts, axis=0)
+        n = np.diff(np.r_[starts, flat.size])
         counts = self.counts.reshape(-1)
-        counts[u] += sign * np.diff(np.r_[starts, flat.size])
-        sums[u[counts[u] == 0]] = 0.0                     # an emptied page: no rounding left behind
+        counts[u] += sign * n
+        sums = self.sums.reshape(-1, self.head_dim)
+        empty = counts[u] == 0
+        sums[u[empty]] = 0.0                              # an emptied page: no rounding left behind, nothing to sum
+        left = ~empty
+        if left.any():
+            sums[u[left]] += sign * _segment_sums(kf, order, starts[left], n[left])
         self.means.reshape(-1, self.head_dim)[u] = sums[u] / np.maximum(counts[u], 1)[:, None]
 
     def add(self, pos: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
@@ -305,6 +313,20 @@ class Store:
         self.v.scatter(si, e, v)
 
 
+def _segment_sums(x: np.ndarray, order: np.ndarray, starts: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """float32 [len(starts), d]: the sums of x[order[a: a + k]] for each segment start a and length k (k >= 1),
+    added in order; short segments (pages of a store) as one vectorised add per place in a segment."""
+    if int(n.max()) > 64:                                 # long segments: one reduction over the ones asked for
+        first = np.r_[0, np.cumsum(n)[:-1]]
+        take = np.repeat(starts - first, n) + np.arange(int(n.sum()))
+        return np.add.reduceat(x[order[take]].astype(np.float32, copy=False), first, axis=0)
+    out = x[order[starts]].astype(np.float32)
+    for j in range(1, int(n.max())):
+        at = np.flatnonzero(n > j)
+        out[at] += x[order[starts[at] + j]]
+    return out
+
+
 def _lse(x: np.ndarray, axis: int = -1) -> np.ndarray:
     m = np.max(x, axis=axis, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -329,8 +351,8 @@ class Recall:
         self.n_recalls = 0
         self.drafted = 0                      # tokens drafted at turns to drive a recall (turn_draft), then removed
         self.held: tuple | None = None        # hold_draft: the last turn's draft queries [L, k, H, d], positions [k]
-        self._keys = None                     # float32 [S, n_keep, d]: the compacted cells' keys, kept between
-        self._keys_pos = None                 # recalls, and the true positions they were read for [S, n_keep]
+        self._keys = None                     # float32 [S, d, n_keep]: the compacted cells' keys (transposed), kept
+        self._keys_pos = None                 # between recalls, and the true positions they were read for [S, n_keep]
 
     @property
     def eviction(self):
@@ -500,12 +522,17 @@ class Recall:
         late = np.flatnonzero((held_pos > qpos.min()).any(0))
         late_seen = held_pos[:, late][:, None, :] <= qpos[None, :, None]            # [S, I, late]
 
+        n_all = cells.shape[1]
+
         def inputs(ss):                 # _swap plans slots in contiguous runs a..b-1
             a, b = int(ss[0]), int(ss[-1]) + 1
             q = np.ascontiguousarray(qt[sl[ss], hs[ss]].transpose(0, 2, 1, 3), np.float32)   # [s, I, r, d]
-            logit = _dot(q, resident[a:b], np.float32)
+            q2 = q.reshape(b - a, I * r, -1)
+            logit = np.empty((b - a, I * r, n_all), np.float32)
+            np.matmul(q2, resident[a:b], out=logit[..., : self.n_keep])
             if later is not None:
-                logit = np.concatenate([logit, _dot(q, later[a:b], np.float32)], -1)
+                np.matmul(q2, later[a:b].transpose(0, 2, 1), out=logit[..., self.n_keep:])
+            logit = logit.reshape(b - a, I, r, n_all)
             if late.size:
                 logit[..., late] = np.where(late_seen[a:b, :, None, :], logit[..., late], -np.inf)
             # the softmax in place: the compacted cells (0..n_keep-1) precede every query, so each row has a finite max
@@ -515,16 +542,21 @@ class Recall:
             att = logit[..., : self.n_keep]
             att *= (1.0 / total)[..., None]
             return q, att, m[..., 0] + np.log(total)
-        return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, extra=cells.shape[1])
+        return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, cells.shape[1])
 
     def _resident_keys(self, llm, g, tp: np.ndarray) -> np.ndarray:
-        """float32 [S, n_keep, d]: the keys of the compacted cells, read once after an eviction and
-        kept up to date by the swaps (read again if their true positions are not the ones kept)."""
+        """float32 [S, d, n_keep] (transposed, for the matrix products): the keys of the compacted cells,
+        read once after an eviction and kept up to date by the swaps (read again if their true positions
+        are not the ones kept)."""
         now = tp[:, : self.n_keep]
         if self._keys is None or not np.array_equal(self._keys_pos, now):
             k, _ = read_cells(llm, [np.arange(self.n_keep, dtype=np.int32)] * g.n_slots, g, buffers=True,
                               keys_only=True)
-            self._keys = self.store.keys(k.reshape(g.n_slots, self.n_keep, -1))
+            k = k.reshape(g.n_slots, self.n_keep, -1)
+            if self.store.type_k == "f16":          # converted and transposed in one pass (F16 converts exactly)
+                self._keys = k.view(np.float16).transpose(0, 2, 1).astype(np.float32, order="C")
+            else:
+                self._keys = np.ascontiguousarray(self.store.keys(k).transpose(0, 2, 1))
             self._keys_pos = now.copy()
         return self._keys
 
@@ -545,9 +577,9 @@ class Recall:
         s = np.arange(g.n_slots)
         return g.n_slots, r, (s // G)[:, None], (s % G)[:, None] * r + np.arange(r)[None, :]
 
-    def _swap(self, llm, g, tp: np.ndarray, inputs, n_queries: int, n_pages: int, extra: int = 0) -> int:
+    def _swap(self, llm, g, tp: np.ndarray, inputs, n_queries: int, n_pages: int, held: int) -> int:
         """Plan every slot's swaps, a few slots at a time (their temporaries bounded by CHUNK_BYTES);
-        ``tp`` [S, n_keep]: the compacted cells' true positions.
+        ``tp`` [S, n_keep]: the compacted cells' true positions; ``held``: the cells the queries attend per slot.
         ``inputs(ss)`` gives slots ss's queries [s, I, r, d], their attention over the compacted cells
         [s, I, r, n_keep] and their log-sum-exp over the cache [s, I, r]. Then move the rows: displaced
         tokens read out, stored ones written in, the store updated."""
@@ -555,7 +587,10 @@ class Recall:
         P = self.eviction.page_size
         protect = np.zeros(max(int(tp.max()) + 1, self.n_at_eviction) // P + 2, bool)
         protect[[p for p in self.eviction.protected(self.n_at_eviction)]] = True     # sinks and recent pages
-        per_slot = 8 * 4 * n_queries * (self.n_keep + extra + n_pages * self.page + st.counts.shape[1])
+        # a slot's temporaries: its queries' attention over the held cells (and a scaled copy), the digests'
+        # estimate (float32, float64), the read pages' keys and logits, the tables of its eviction pages
+        per_slot = (4 * n_queries * (2 * held + 3 * st.counts.shape[1] + 3 * n_pages * self.page)
+                    + 4 * n_pages * self.page * st.head_dim + 24 * protect.size * P)
         chunk = max(1, CHUNK_BYTES // max(per_slot, 1))
         runs = [np.arange(a, min(a + chunk, g.n_slots)) for a in range(0, g.n_slots, chunk)]
         cells, si, e, kf_old = [], [], [], []
@@ -567,16 +602,14 @@ class Recall:
         if not si:
             return 0
         si, e, kf_old = np.concatenate(si), np.concatenate(e), np.concatenate(kf_old)
-        out_k, out_v = read_cells(llm, cells, g)          # the displaced tokens, before they are overwritten
-        bounds = np.cumsum([0] + [c.size for c in cells])
-        parts = lambda a: [a[bounds[s]: bounds[s + 1]] for s in range(len(cells))]    # noqa: E731
+        out_k, out_v = read_cells(llm, cells, g, buffers=True)   # the displaced tokens, before they are overwritten
         pos_in = st.pos[si, e]
-        write_cells(llm, cells, parts(pos_in), parts(st.k.gather(si, e)), parts(st.v.gather(si, e)), g)
-        kf_out = np.concatenate([self._keys[s, c] for s, c in enumerate(cells)])    # the displaced keys as floats
-        for s, c in enumerate(cells):                    # the resident keys follow the swap
-            self._keys[s, c], self._keys_pos[s, c] = kf_old[bounds[s]: bounds[s + 1]], pos_in[bounds[s]: bounds[s + 1]]
-        st.replace(si, e, np.concatenate([tp[s][c] for s, c in enumerate(cells)]),
-                   np.concatenate(out_k), np.concatenate(out_v), kf_old, kf_out)
+        write_cells(llm, cells, pos_in, st.k.gather(si, e), st.v.gather(si, e), g)     # every slot's in turn
+        cs, cc = np.repeat(np.arange(len(cells)), [c.size for c in cells]), np.concatenate(cells)
+        out_k, out_v = out_k.reshape(si.size, -1), out_v.reshape(si.size, -1)
+        kf_out = st.keys(out_k)                          # the displaced keys as floats [n, d] (as _keys holds them)
+        self._keys[cs, :, cc], self._keys_pos[cs, cc] = kf_old, pos_in     # the resident keys follow the swap
+        st.replace(si, e, tp[cs, cc], out_k, out_v, kf_old, kf_out)
         self.recalled += int(si.size)
         return int(si.size)
 
@@ -595,8 +628,9 @@ def _smallest(x: np.ndarray, k: int) -> np.ndarray:
     if k >= n // 4:
         return np.argsort(x, axis=1, kind="stable")[:, :k]
     kth = np.partition(x, k - 1, axis=1)[:, k - 1: k]
-    row, col = np.nonzero(x <= kth)                      # row-major: index order within each row
-    order = np.lexsort((col, x[row, col], row))
+    at = np.flatnonzero(x <= kth)                        # row-major: index order within each row
+    row, col = at // n, at % n
+    order = np.lexsort((col, x.ravel()[at], row))
     row, col = row[order], col[order]
     first = np.searchsorted(row, np.arange(S))
     return col[first[:, None] + np.arange(k)[None, :]].reshape(S, k)
@@ -624,8 +658,11 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     counts = st.counts[rows]
     live = counts > 0
     est = _dot(q, st.means[rows], np.float32)        # the digest's logit estimate (it only ranks: float32 will do)
+    est -= lse_res[..., None]
     with np.errstate(over="ignore"):
-        mass = np.minimum(1.0, counts[:, None, None, :] * np.exp(est - lse_res[..., None])).sum(1).max(1)
+        np.exp(est, out=est)
+    mass = np.multiply(counts.astype(np.float64)[:, None, None, :], est)             # float64
+    mass = np.minimum(mass, 1.0, out=mass).sum(1).max(1)
     mass = np.where(live, mass, -np.inf)
     short = _smallest(-mass, N)                                                     # [S, N]
     ok_short = np.take_along_axis(live, short, 1)
@@ -642,7 +679,11 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     m = valid.reshape(S, -1, page).sum(-1)                                           # tokens per read page
     page_score = tok.reshape(S, r, -1, page).sum(-1).max(1)                          # [S, N]
     page_score = np.where(m > 0, page_score, -np.inf)
-    res_score = (att * np.exp(lse_res - lse_seen)[..., None]).sum(1).max(1)          # [S, n_keep]
+    att = att * np.exp(lse_res - lse_seen)[..., None]                                # renormalised over both
+    res_score = att[:, 0].copy()
+    for i in range(1, att.shape[1]):                                                 # summed over the queries
+        res_score += att[:, i]
+    res_score = res_score.max(1)                                                     # [S, n_keep]
     # what can be displaced: whole eviction pages of compacted cells, none protected, least attended first
     gp = tp // P
     n_gp = int(gp.max()) + 1
@@ -654,8 +695,9 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     gscore = np.where((gcnt == P) & ~prot[None, :], gsum, np.inf)
     by_score = _smallest(gscore, N * (-(-page // P)))       # no more groups than N pages displace
     gsorted = np.take_along_axis(gscore, by_score, 1)
-    cell_tab = np.zeros((S, n_gp, P), np.int64)
-    cell_tab[np.broadcast_to(sl[:, None], tp.shape), gp, tp % P] = np.arange(tp.shape[1])
+    cell_tab = np.zeros(S * n_gp * P, np.int32)
+    cell_tab[flat * P + (tp % P).ravel()] = np.tile(np.arange(tp.shape[1], dtype=np.int32), S)
+    cell_tab = cell_tab.reshape(S, n_gp, P)
     # pages in descending mass; each takes the next m/P groups; the first that does not beat them stops the slot
     po = np.argsort(-page_score, axis=1, kind="stable")
     ps = np.take_along_axis(page_score, po, 1)
