@@ -330,10 +330,18 @@ def rows_to_float(rows: np.ndarray, type_name: str) -> np.ndarray:
     if t in (0, 1, 30) and nb % (4 if t == 0 else 2) == 0:
         if t == 0:
             return rows.view(np.float32).copy()
-        if t == 1:
-            return rows.view(np.float16).astype(np.float32)
+        if t == 1:          # a table of all 65536 halves: faster than numpy's own cast here, the same floats
+            return np.take(_f16_table(), rows.view(np.uint16))
         return (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return _ggml_to_float(rows, t)
+
+
+@lru_cache(maxsize=1)
+def _f16_table() -> np.ndarray:
+    """float32 [65536]: every F16 bit pattern as a float (read-only)."""
+    table = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    table.flags.writeable = False
+    return table
 
 
 def _ggml_to_float(rows: np.ndarray, t: int) -> np.ndarray:

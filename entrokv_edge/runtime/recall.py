@@ -246,6 +246,8 @@ class Store:
 
     def _account(self, si: np.ndarray, pos: np.ndarray, kf: np.ndarray, sign: int) -> None:
         """Add (sign +1) or remove (-1) tokens (slot si[i], position pos[i], key kf[i]) from the digests."""
+        if not pos.size:
+            return
         pages = pos // self.page
         top = int(pages.max(initial=-1)) + 1
         if top > self.counts.shape[1]:
@@ -255,8 +257,9 @@ class Store:
             self.means = np.concatenate([self.means, np.zeros((S, top - self.means.shape[1], self.head_dim), np.float32)], 1)
         flat = si * self.counts.shape[1] + pages
         order = np.argsort(flat, kind="stable")
-        u, starts = np.unique(flat[order], return_index=True)
-        n = np.diff(np.r_[starts, flat.size])
+        fs = flat[order]
+        starts = np.flatnonzero(np.r_[True, fs[1:] != fs[:-1]])                  # each page's first entry
+        u, n = fs[starts], np.diff(np.r_[starts, flat.size])
         counts = self.counts.reshape(-1)
         counts[u] += sign * n
         sums = self.sums.reshape(-1, self.head_dim)
@@ -509,8 +512,13 @@ class Recall:
         qt = np.asarray(queries).transpose(0, 2, 1, 3)                     # [L, H, I, d]
         I = qt.shape[2]
         tp = true_positions(llm)
-        cells = np.stack([np.flatnonzero(t >= 0) for t in tp]).astype(np.int32)     # [S, held]: the same count
-        held_pos = np.take_along_axis(tp, cells, 1)                                  # compacted cells first
+        held = tp >= 0
+        col = np.flatnonzero(held.any(0))
+        if held[:, col].all():          # the usual case: every slot holds the same cells (a token fills one cell in all)
+            cells, held_pos = np.broadcast_to(col.astype(np.int32), (S, col.size)), tp[:, col]
+        else:
+            cells = np.stack([np.flatnonzero(h) for h in held]).astype(np.int32)        # [S, held]: the same count
+            held_pos = np.take_along_axis(tp, cells, 1)                              # compacted cells first
         resident = self._resident_keys(llm, g, tp)
         later = None                    # the keys of the cells written since the eviction: read now
         if cells.shape[1] > self.n_keep:
@@ -695,8 +703,8 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     gscore = np.where((gcnt == P) & ~prot[None, :], gsum, np.inf)
     by_score = _smallest(gscore, N * (-(-page // P)))       # no more groups than N pages displace
     gsorted = np.take_along_axis(gscore, by_score, 1)
-    cell_tab = np.zeros(S * n_gp * P, np.int32)
-    cell_tab[flat * P + (tp % P).ravel()] = np.tile(np.arange(tp.shape[1], dtype=np.int32), S)
+    cell_tab = np.zeros(S * n_gp * P, np.int32)                                     # the cell of each true position
+    cell_tab[(sl[:, None] * (n_gp * P) + tp).ravel()] = np.tile(np.arange(tp.shape[1], dtype=np.int32), S)
     cell_tab = cell_tab.reshape(S, n_gp, P)
     # pages in descending mass; each takes the next m/P groups; the first that does not beat them stops the slot
     po = np.argsort(-page_score, axis=1, kind="stable")
