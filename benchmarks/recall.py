@@ -99,6 +99,11 @@ recall-hold, on the follow-up part's tune split and the fidelity part, SmolLM2 a
 round 6's recall rows (the same code path, commit 08c3a58). It goes on to the held-out split (three
 models) only if it has more right answers than recall over both models, loses no model, and keeps the
 fidelity mean KL below head-independent eviction's on both. Not adopted without the held-out split.
+Its rows: tune SmolLM2 2 / Gemma 3 8 (recall 1 / 7), fidelity 0.124 / 0.042 (head-independent 0.125 /
+0.099): it went on. Held out (right of the full cache's 7 / 18 / 17, SmolLM2 / Gemma 3 / Qwen2.5): recall
+0 / 13 / 14, recall-hold 2 / 14 / 16 (questions won-lost 2-0, 2-1, 2-0), more over the three models and
+none worse, the test round 3's draft passed: ``hold_draft`` is on by default since, and the ``recall``
+configuration includes it in rows from then on (a row's commit says which).
 """
 from __future__ import annotations
 

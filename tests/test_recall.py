@@ -80,6 +80,14 @@ def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, w
     table = st.table().copy()
     st._table = None
     assert np.array_equal(table, st.table()) and (table >= 0).sum() == st.pos.size
+    # the digests kept through the swaps: per page, the count and the mean of the keys the store holds now
+    for s in range(g.n_slots):
+        kf = st.keys(st.k[s]).astype(np.float64)
+        pages = st.pos[s] // st.page
+        count = np.bincount(pages, minlength=st.counts.shape[1])
+        assert np.array_equal(st.counts[s], count)
+        want = np.stack([kf[pages == p].mean(0) if c else np.zeros(kf.shape[1]) for p, c in enumerate(count)])
+        assert np.allclose(st.means_t[s].T, want, rtol=1e-4, atol=1e-5), f"slot {s}"
 
 
 @pytest.mark.parametrize("where", ["memory", "file"])
@@ -161,11 +169,11 @@ def test_the_answer_starts_from_the_cache_as_recalled_with_or_without_a_turn_dra
 
 
 def test_a_held_draft_joins_the_decoding_recalls_until_the_answer_passes_it(model, tmp_path):
-    """hold_draft (research option): after a turn's draft, each decoding recall's queries are the tokens
+    """hold_draft (on by default): after a turn's draft, each decoding recall's queries are the tokens
     decoded since the last recall plus the draft's queries at positions not decoded yet, and the draft
     is dropped once the answer has passed it; a session saved mid-answer keeps it."""
     from entrokv_edge.runtime import recall as R
-    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6, "hold_draft": True}, **SETTINGS)
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6}, **SETTINGS)
     llm.eval(prompt(200, 4))
     decode(llm, 5)
     n = llm.n_tokens + 10
@@ -187,10 +195,10 @@ def test_a_held_draft_joins_the_decoding_recalls_until_the_answer_passes_it(mode
     assert seen[1][1].tolist() == [n + 2, n + 3, n + 4, n + 5]
     assert seen[2][1].tolist() == [n + 4, n + 5] and llm.recall.held is None     # passed: dropped
     assert seen[3][1].tolist() == [n + 6, n + 7]
-    b = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6, "hold_draft": True}, **SETTINGS)
+    b = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6}, **SETTINGS)
     b.load_session(tmp_path / "s.entrokv")
     assert np.array_equal(b.recall.held[0], hq) and np.array_equal(b.recall.held[1], hpos)
-    c = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6}, **SETTINGS)
+    c = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6, "hold_draft": False}, **SETTINGS)
     c.load_session(tmp_path / "s.entrokv")                    # the option off: nothing held
     assert c.recall.held is None
 
@@ -341,14 +349,14 @@ def block(m, p0):
     k = rng.normal(size=(3, m, 8)).astype(np.float32).view(np.uint8)
     return np.tile(np.arange(p0, p0 + m, dtype=np.int32), (3, 1)), k, rng.integers(0, 256, (3, m, 32), dtype=np.uint8)
 st.add(*block(10, 0))
-before = (st.pos.copy(), st.sums.copy(), st.counts.copy(), st.means.copy(), st.k[1].copy(), st.v[1].copy())
+before = (st.pos.copy(), st.sums.copy(), st.counts.copy(), st.means_t.copy(), st.k[1].copy(), st.v[1].copy())
 size = st.file.seek(0, 2)
 resource.setrlimit(resource.RLIMIT_FSIZE, (size + 3 * 6 * 32 + 50, resource.RLIM_INFINITY))   # K fits, V does not
 try:
     st.add(*block(6, 10))
 except OSError as e:
     print("refused", e.errno)
-after = (st.pos, st.sums, st.counts, st.means, st.k[1], st.v[1])
+after = (st.pos, st.sums, st.counts, st.means_t, st.k[1], st.v[1])
 print("same", all(np.array_equal(a, b) for a, b in zip(before, after)) and st.k.n == st.v.n == 10)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

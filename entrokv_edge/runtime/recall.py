@@ -46,7 +46,7 @@ class RecallConfig:
     directory: str | None = None
     turn_pages: int = 128
     turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
-    hold_draft: bool = False              # research: decoding recalls also see the draft's queries not yet decoded
+    hold_draft: bool = True               # decoding recalls also see the turn's draft queries not yet decoded
 
     def __post_init__(self):
         if self.directory is not None:
@@ -200,7 +200,8 @@ class Store:
     ``pos`` int32 [S, M] true positions; ``k``, ``v`` (_Rows) [S, M, row bytes]: the cache's bytes, in
     host memory or in a file in ``directory``; ``sums`` float32 [S, pages, head_dim] and ``counts``
     [S, pages]: the sum of the keys (as floats) and the number of tokens of each page of true
-    positions in the store; ``means``: the digest, sums / counts; ``table()`` int32 [S, pages, page
+    positions in the store; ``means_t`` float32 [S, head_dim, pages]: the digest, sums / counts (transposed,
+    for the matrix products); ``table()`` int32 [S, pages, page
     size]: the entry holding each true position (-1: none). Positions and digests stay in memory."""
 
     def __init__(self, n_slots: int, page_size: int, type_k: str, k_width: int, v_width: int, head_dim: int,
@@ -214,7 +215,7 @@ class Store:
         self.k, self.v = _Rows(n_slots, k_width, self.file), _Rows(n_slots, v_width, self.file)
         self.sums = np.zeros((n_slots, 0, head_dim), np.float32)
         self.counts = np.zeros((n_slots, 0), np.int64)
-        self.means = np.zeros((n_slots, 0, head_dim), np.float32)     # sums / counts, kept up to date
+        self.means_t = np.zeros((n_slots, head_dim, 0), np.float32)   # sums / counts, transposed, kept up to date
         self._table = None            # table(): built after each add, kept up to date by replace
 
     @property
@@ -230,7 +231,7 @@ class Store:
         """Bytes of the rows (in memory or in the file), the positions and the digests (in memory: the
         sums, counts and means of every page of true positions up to the store's last)."""
         return {"rows": self.k.nbytes + self.v.nbytes, "positions": self.pos.nbytes,
-                "digests": self.sums.nbytes + self.counts.nbytes + self.means.nbytes}
+                "digests": self.sums.nbytes + self.counts.nbytes + self.means_t.nbytes}
 
     def close(self) -> None:
         if self.file is not None:
@@ -254,7 +255,8 @@ class Store:
             S = self.counts.shape[0]
             self.sums = np.concatenate([self.sums, np.zeros((S, top - self.sums.shape[1], self.head_dim), np.float32)], 1)
             self.counts = np.concatenate([self.counts, np.zeros((S, top - self.counts.shape[1]), np.int64)], 1)
-            self.means = np.concatenate([self.means, np.zeros((S, top - self.means.shape[1], self.head_dim), np.float32)], 1)
+            self.means_t = np.concatenate([self.means_t, np.zeros((S, self.head_dim, top - self.means_t.shape[2]),
+                                                                  np.float32)], 2)
         flat = si * self.counts.shape[1] + pages
         order = np.argsort(flat, kind="stable")
         fs = flat[order]
@@ -268,7 +270,8 @@ class Store:
         left = ~empty
         if left.any():
             sums[u[left]] += sign * _segment_sums(kf, order, starts[left], n[left])
-        self.means.reshape(-1, self.head_dim)[u] = sums[u] / np.maximum(counts[u], 1)[:, None]
+        npg = self.counts.shape[1]
+        self.means_t[u // npg, :, u % npg] = sums[u] / np.maximum(counts[u], 1)[:, None]
 
     def add(self, pos: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Append tokens to every slot: pos [S, m], k [S, m, k width], v [S, m, v width]. The rows are
@@ -665,7 +668,8 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     rows = slice(int(ss[0]), int(ss[0]) + S) if np.array_equal(ss, ss[0] + sl) else ss     # a run: views, no copies
     counts = st.counts[rows]
     live = counts > 0
-    est = _dot(q, st.means[rows], np.float32)        # the digest's logit estimate (it only ranks: float32 will do)
+    est = np.matmul(q.reshape(S, -1, q.shape[-1]), st.means_t[rows]).reshape(q.shape[:3] + (-1,))   # the digests'
+    # logit estimate (it only ranks: float32 will do)
     est -= lse_res[..., None]
     with np.errstate(over="ignore"):
         np.exp(est, out=est)

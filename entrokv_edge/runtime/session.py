@@ -29,7 +29,7 @@ FORMAT = "entrokv-session-2"
 _ARRAYS = ("llama_state", "logits", "input_ids", "true_pos")
 _WS = ("ws_scores", "ws_true_pos", "ws_layers", "ws_info")
 _RECALL = ("recall_pos", "recall_k", "recall_v", "recall_info", "recall_q", "recall_qpos")
-_HELD = ("recall_hq", "recall_hpos")       # a turn's draft queries, held (recall's research option hold_draft)
+_HELD = ("recall_hq", "recall_hpos")       # a turn's draft queries, held (recall's hold_draft)
 
 
 class SessionError(ValueError):
