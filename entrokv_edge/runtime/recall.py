@@ -671,9 +671,9 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     est = np.matmul(q.reshape(S, -1, q.shape[-1]), st.means_t[rows]).reshape(q.shape[:3] + (-1,))   # the digests'
     # logit estimate (it only ranks: float32 will do)
     est -= lse_res[..., None]
-    with np.errstate(over="ignore"):
-        np.exp(est, out=est)
-    mass = np.multiply(counts.astype(np.float64)[:, None, None, :], est)             # float64
+    with np.errstate(over="ignore", invalid="ignore"):    # an overflow makes a mass of 1; 0 x inf (a page with no
+        np.exp(est, out=est)                              # stored token) a NaN that `live` drops below
+        mass = np.multiply(counts.astype(np.float64)[:, None, None, :], est)         # float64
     mass = np.minimum(mass, 1.0, out=mass).sum(1).max(1)
     mass = np.where(live, mass, -np.inf)
     short = _smallest(-mass, N)                                                     # [S, N]
