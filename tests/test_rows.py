@@ -175,7 +175,7 @@ def test_rows_given_flat_write_what_per_slot_lists_write(synth_models):
     with pytest.raises(ek.EntroKVError, match="BUFFER_SIZE"):
         write_cells(b, cells, flat_pos, fk[:-1], fv)
     assert state_blob(b) == blob and (ek.true_positions(b) == tp).all()
-    write_cells(a, cells, pos, lk, lv, g)
+    write_cells(a, cells, np.array(pos, dtype=object), lk, lv, g)    # per-slot lists, in an object array too
     write_cells(b, cells, flat_pos, fk, fv, g)
     assert (ek.true_positions(b) == ek.true_positions(a)).all()
     assert state_blob(b) == state_blob(a) != blob

@@ -293,7 +293,7 @@ def write_cells(llm, cells, true_pos, k, v, g: KVGeometry | None = None) -> None
     ffi, lib = _api()
     g = g or geometry(llm)
     lens, flat = _cell_lists(cells, g.n_slots)
-    if isinstance(true_pos, np.ndarray) and true_pos.ndim == 1:
+    if isinstance(true_pos, np.ndarray) and true_pos.ndim == 1 and true_pos.dtype != object:
         if true_pos.size and true_pos.dtype.kind not in "iu":
             raise TypeError("true_pos must hold integer positions")
         if true_pos.size != int(lens.sum()):

@@ -320,17 +320,27 @@ class Store:
 
 
 def _segment_sums(x: np.ndarray, order: np.ndarray, starts: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """float32 [len(starts), d]: the sums of x[order[a: a + k]] for each segment start a and length k (k >= 1),
-    added in order; short segments (pages of a store) as one vectorised add per place in a segment."""
-    if int(n.max()) > 64:                                 # long segments: one reduction over the ones asked for
-        first = np.r_[0, np.cumsum(n)[:-1]]
-        take = np.repeat(starts - first, n) + np.arange(int(n.sum()))
-        return np.add.reduceat(x[order[take]].astype(np.float32, copy=False), first, axis=0)
-    out = x[order[starts]].astype(np.float32)
-    for j in range(1, int(n.max())):
-        at = np.flatnonzero(n > j)
-        out[at] += x[order[starts[at] + j]]
+    """float32 [len(starts), d]: the sums of x[order[a: a + k]] for each segment start a and length k (k >= 1).
+    A segment of up to SHORT rows (a page of a store) is added in order, one vectorised add per place; a
+    longer one by numpy's own reduction. Either way a segment's sum depends on its own rows only."""
+    out = np.empty((starts.size, x.shape[-1]), np.float32)
+    short = n <= SHORT
+    if short.any():
+        s, k = starts[short], n[short]
+        acc = x[order[s]].astype(np.float32)
+        for j in range(1, int(k.max())):
+            at = np.flatnonzero(k > j)
+            acc[at] += x[order[s[at] + j]]
+        out[short] = acc
+    if not short.all():
+        s, k = starts[~short], n[~short]
+        first = np.r_[0, np.cumsum(k)[:-1]]
+        take = np.repeat(s - first, k) + np.arange(int(k.sum()))
+        out[~short] = np.add.reduceat(x[order[take]].astype(np.float32, copy=False), first, axis=0)
     return out
+
+
+SHORT = 64
 
 
 def _lse(x: np.ndarray, axis: int = -1) -> np.ndarray:
