@@ -377,3 +377,22 @@ def test_a_prompt_that_ends_in_its_own_eviction_keeps_the_logits_it_ended_with(m
     assert np.array_equal(logits(llm), logits(plain))
     decode(llm, 6)
     assert llm.n_tokens == 206
+
+
+def test_segment_sums_match_plain_sums_and_depend_on_their_own_rows_only():
+    """Store._account's per-page key sums (short pages by place, long ones by numpy's reduction): each
+    close to a float64 sum, and the same whether a page is summed alone or beside longer or shorter ones."""
+    from entrokv_edge.runtime.recall import SHORT, _segment_sums
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        m = int(rng.integers(1, 3 * SHORT + 50))
+        x = rng.normal(size=(m, 8)).astype(np.float32)
+        flat = rng.integers(0, 3 if trial % 3 == 0 else 200, m)          # a third with pages longer than SHORT
+        order = np.argsort(flat, kind="stable")
+        starts = np.flatnonzero(np.r_[True, np.diff(flat[order]) != 0])
+        n = np.diff(np.r_[starts, m])
+        got = _segment_sums(x, order, starts, n)
+        want = np.stack([x[order[a: a + k]].astype(np.float64).sum(0) for a, k in zip(starts, n)])
+        assert np.allclose(got, want, atol=1e-4)
+        for i in range(starts.size):
+            assert np.array_equal(_segment_sums(x, order, starts[i: i + 1], n[i: i + 1])[0], got[i])
