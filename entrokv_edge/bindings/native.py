@@ -20,6 +20,7 @@ from .._paths import LIBLLAMA, include_dir, lib_dir
 
 # ggml_type ids of the cache types we report by name
 _GGML_TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16", 20: "iq4_nl"}
+_GGML_TYPE_IDS = {v: k for k, v in _GGML_TYPE_NAMES.items()}
 
 
 def _cdef_source(header: str) -> str:
@@ -323,8 +324,7 @@ def rows_to_float(rows: np.ndarray, type_name: str) -> np.ndarray:
     """float32 [n, elements]: rows (uint8 [n, bytes], as ``read_cells`` gives them) of a cache
     type (``KVGeometry.type_k`` / ``type_v``) converted to float as ggml converts them. F32, F16
     and BF16 convert exactly, here; the quantized types through ggml's own conversion."""
-    ids = {v: k for k, v in _GGML_TYPE_NAMES.items()}
-    t = ids[type_name] if type_name in ids else int(type_name)
+    t = _GGML_TYPE_IDS[type_name] if type_name in _GGML_TYPE_IDS else int(type_name)
     rows = np.ascontiguousarray(rows, dtype=np.uint8)
     n, nb = rows.shape
     if t in (0, 1, 30) and nb % (4 if t == 0 else 2) == 0:
