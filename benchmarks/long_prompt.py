@@ -42,6 +42,15 @@ before the run: a setting replaces the default if it lowers the mean KL and wins
 comparisons than it loses; among several, the lowest mean. Mean KL (one eviction 0.044): no draft
 0.148, guide_draft=8 0.122 (6-2 against no draft), 24 0.149 (7-1, one prompt 3.5x worse). The
 default became guide_draft=8.
+
+Round 4, the recall tier behind the pieces (written before its rows): "guided+recall" is the defaults
+with ``recall=True`` (RecallConfig's defaults, chosen on issue 23's own prompts; nothing is chosen
+here). Every eviction between pieces then sends what it drops to the store, and the question (the
+turn's recall and its draft) and the answer (a recall every 4 tokens) can bring it back. It runs once
+on heldout (8k and 16k through 1024 and 2048 cells; the full cache's rows are those already measured,
+a plain llama.cpp cache) and on the fidelity judge, where it is also compared with "one eviction+recall":
+the whole prompt in a cache that holds it, evicted once to the same budget, recall on. It is reported
+as it comes out; recall's default (off) is issue 23's to change, not this round's.
 """
 from __future__ import annotations
 
@@ -72,6 +81,9 @@ CONFIGS = {
     "guide+draft24": dict(guide_draft=24),
     # the defaults with the guide given to eval: the question (where it comes first) and the prompt's end
     "guide=question+end": dict(guide_from="question"),
+    # the defaults with the recall tier on (RecallConfig's defaults, chosen on issue 23's own prompts): what the
+    # pieces' evictions sent to the store can come back at the question and while answering
+    "guided+recall": dict(recall=True),
 }
 SPLITS = {
     "tune": dict(offset=0, kinds=["passkey", "room"], depths=[10, 50, 90]),
@@ -82,10 +94,16 @@ FULL = dict(lengths=[8192, 16384], cells=[1024, 2048], max_answer=24, fid_tokens
 QUICK = dict(lengths=[1024], cells=[256], max_answer=8, fid_tokens=8)
 
 
-def _runtime(model: str, cells: int, n_logical: int):
+def _runtime(model: str, cells: int, n_logical: int, recall=None):
     return ek.EntroKVLlama(str(ek.models.model_path(model)), n_ctx=cells, n_batch=512, n_ubatch=512,
                            logical_ctx=n_logical, verbose=False, seed=0, n_threads=H.threads(),
-                           n_threads_batch=H.threads())
+                           n_threads_batch=H.threads(), recall=recall)
+
+
+def _split_config(kw: dict) -> tuple[dict, object]:
+    """A CONFIGS entry as (EvictionConfig's fields, the runtime's recall option)."""
+    kw = dict(kw)
+    return kw, kw.pop("recall", None)
 
 
 def _read(llm, tokens: list[int], cfg: ek.EvictionConfig, guide=None) -> dict:
@@ -93,12 +111,24 @@ def _read(llm, tokens: list[int], cfg: ek.EvictionConfig, guide=None) -> dict:
     eval: None for its automatic one); its costs."""
     llm.reset()
     llm.controller = ek.EvictionController(cfg)
-    before = (llm.n_evictions, llm.eviction_s, llm.n_guided, llm.guide_s)
+    if llm.recall:      # its counters per read
+        llm.recall.recalled = llm.recall.n_recalls = 0
+    before = (llm.n_evictions, llm.eviction_s, llm.n_guided, llm.guide_s, llm.recall_s)
     t0 = time.perf_counter()
     llm.eval(tokens, guide=guide)
-    return {"prefill_s": time.perf_counter() - t0, "evictions": llm.n_evictions - before[0],
-            "eviction_s": llm.eviction_s - before[1], "guided": llm.n_guided - before[2],
-            "guide_s": llm.guide_s - before[3], "kept_tokens": ek.geometry(llm).n_used}
+    out = {"prefill_s": time.perf_counter() - t0, "evictions": llm.n_evictions - before[0],
+           "eviction_s": llm.eviction_s - before[1], "guided": llm.n_guided - before[2],
+           "guide_s": llm.guide_s - before[3], "kept_tokens": ek.geometry(llm).n_used}
+    if llm.recall:      # the turn's recall (part of the prefill's time), before any answer token
+        out.update(recall_s=llm.recall_s - before[4], recalled_tokens=llm.recall.recalled)
+    return out
+
+
+def _answer_costs(llm, row: dict) -> dict:
+    """The recall's totals after the answer (its decoding recalls too)."""
+    if llm.recall:
+        row.update(recalls=llm.recall.n_recalls, recalled_total=llm.recall.recalled, recall_total_s=llm.recall_s)
+    return row
 
 
 def _answer(llm, n: int, stop) -> str:
@@ -142,7 +172,12 @@ def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, co
             continue
         full = H.load(model, max(fits) + max_answer + 64)
         stop = H.stop_tokens(full)
-        small = {c: _runtime(model, c, max(fits) + 1024) for c in cells} if configs else {}
+        small = {}            # (cells, recall option): a runtime, made when first needed
+
+        def runtime(c, rc):
+            if (c, rc) not in small:
+                small[c, rc] = _runtime(model, c, max(fits) + 1024, rc)
+            return small[c, rc]
         for length in fits:
             for i, depth in enumerate(sp["depths"]):
                 kind = sp["kinds"][i % len(sp["kinds"])]
@@ -170,14 +205,15 @@ def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, co
                     for name, kw in configs.items():
                         row = book.find({**key, "config": name, "cells": c})
                         if row is None:
-                            kw = dict(kw)
+                            kw, rc = _split_config(kw)
                             guide = None
                             if kw.pop("guide_from", None) == "question":
                                 guide = p.meta["question_tokens"] + p.tokens[-ek.EvictionConfig(**kw).guide:]
-                            r = _read(small[c], p.tokens, ek.EvictionConfig(**kw), guide)
-                            ans = _answer(small[c], max_answer, stop)
-                            row = book.add({**base, "config": name, "cells": c, "answer": ans,
-                                            "correct": number in ans.replace(",", ""), **r})
+                            llm = runtime(c, rc)
+                            r = _read(llm, p.tokens, ek.EvictionConfig(**kw), guide)
+                            ans = _answer(llm, max_answer, stop)
+                            row = book.add(_answer_costs(llm, {**base, "config": name, "cells": c, "answer": ans,
+                                                               "correct": number in ans.replace(",", ""), **r}))
                         rows.append(row)
                 got = {(r["config"], r["cells"]): int(r["correct"]) for r in rows if r["depth"] == depth
                        and r["target_length"] == length and r["model"] == model}
@@ -218,15 +254,21 @@ def fidelity_rows(models, tokens: int, n_qa: int, n_code: int, length: int, comm
     rows = []
     cells = length // 4
     for model in models:
+        small = {}            # (cells, recall option): a runtime, made when first needed
+
+        def runtime(c, rc):
+            if (c, rc) not in small:
+                small[c, rc] = _runtime(model, c, length + tokens + 256, rc)
+            return small[c, rc]
         try:
-            small = _runtime(model, cells, length + tokens + 256)
+            first = runtime(cells, None)
         except ValueError as e:       # e.g. Gemma 3: its sliding window needs more cells than a quarter of 2k
             log(f"long fidelity {model}: not run through {cells} cells: {e}")
             rows.append({"model": model, "config": "not run", "cells": cells, "reason": str(e), "commit": commit})
             continue
         full = H.load(model, length + tokens + 256)
         stop = H.stop_tokens(full)
-        budget = small._capacity_pages() * small.config.page_size      # what the small cache keeps
+        budget = first._capacity_pages() * first.config.page_size      # what the small cache keeps
         for p in fidelity.qa_prompts(full, n_qa, length, sp["qa_offset"]) + \
                 fidelity.code_prompts(full, n_code, length, sp["code_offset"]):
             snap, ref, full_lp = fidelity_reference(full, p, tokens, stop)
@@ -236,14 +278,27 @@ def fidelity_rows(models, tokens: int, n_qa: int, n_code: int, length: int, comm
             lp = fidelity._follow(full, snap.logits, ref)
             rows.append({**base, "config": "one eviction", "kl_mean": float(np.mean(fidelity._kl(full_lp, lp))),
                          "kept_tokens": int(m["kept_tokens"])})
+            n0 = len(rows)
+            if any(_split_config(CONFIGS[name])[1] for name in configs):
+                # the same eviction with the recall tier on: the whole prompt in a cache that holds it, evicted once
+                # after it to the same budget, then recalling (the turn's and the answer's recalls)
+                big = runtime(length + tokens + 256, True)
+                r = _read(big, p.tokens, ek.EvictionConfig(budget=budget))
+                lp = fidelity._follow(big, H.logits(big), ref)
+                rows.append(_answer_costs(big, {**base, "config": "one eviction+recall",
+                                                "kl_mean": float(np.mean(fidelity._kl(full_lp, lp))), **r}))
             for name in configs:
-                r = _read(small, p.tokens, ek.EvictionConfig(**CONFIGS[name]))
-                lp = fidelity._follow(small, H.logits(small), ref)
-                rows.append({**base, "config": name, "kl_mean": float(np.mean(fidelity._kl(full_lp, lp))), **r})
+                kw, rc = _split_config(CONFIGS[name])
+                llm = runtime(cells, rc)
+                r = _read(llm, p.tokens, ek.EvictionConfig(**kw))
+                lp = fidelity._follow(llm, H.logits(llm), ref)
+                rows.append(_answer_costs(llm, {**base, "config": name,
+                                                "kl_mean": float(np.mean(fidelity._kl(full_lp, lp))), **r}))
             log(f"long {split} {model} {p.meta['kind']} {p.meta['source']}: " + ", ".join(
-                f"{r['config']} {r['kl_mean']:.3f}" for r in rows[-1 - len(configs):]))
+                f"{r['config']} {r['kl_mean']:.3f}" for r in rows[n0 - 1:]))
         full.close()
-        small.close()
+        for llm in small.values():
+            llm.close()
     return rows
 
 
@@ -283,7 +338,7 @@ def main(argv=None) -> int:
     f = fidelity.QUICK if args.quick else fidelity.FULL
     if "fidelity" in parts:
         rows += [{"part": "fidelity", "split": "fidelity", **r} for r in fidelity_rows(
-            args.models, g["fid_tokens"], f["n_qa"], f["n_code"], f["length"], commit)]
+            args.models, g["fid_tokens"], f["n_qa"], f["n_code"], f["length"], commit, configs=args.configs)]
     if "fidelity-tune" in parts:      # the guide's settings against each other, on prompts the judge does not use
         rows += [{"part": "fidelity", "split": "fidelity-tune", **r} for r in fidelity_rows(
             args.models, g["fid_tokens"], f["n_qa"], f["n_code"], f["length"], commit, split="fidelity-tune",
