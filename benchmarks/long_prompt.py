@@ -113,6 +113,7 @@ def _read(llm, tokens: list[int], cfg: ek.EvictionConfig, guide=None) -> dict:
     llm.controller = ek.EvictionController(cfg)
     if llm.recall:      # its counters per read
         llm.recall.recalled = llm.recall.n_recalls = 0
+        llm.recall_s = 0.0
     before = (llm.n_evictions, llm.eviction_s, llm.n_guided, llm.guide_s, llm.recall_s)
     t0 = time.perf_counter()
     llm.eval(tokens, guide=guide)

@@ -324,23 +324,32 @@ def long_prompt_section(d) -> str:
                  "then per configuration the full cache's right answers it keeps (its right answers in all) and its "
                  "prefill speed against the full cache's, median):\n\n")
         s.append(_table(["model", "length", "cells", "prompts", "full right"] + configs, table))
-        if "guided" in configs and "piecewise" in configs:
-            g = {(key(r), r["cells"]): r["correct"] for r in sr if r["config"] == "guided"}
-            p = {(key(r), r["cells"]): r["correct"] for r in sr if r["config"] == "piecewise"}
-            both = [k for k in g if k in p]
-            w, lo = sum(g[k] > p[k] for k in both), sum(g[k] < p[k] for k in both)
-            s.append(f"\nPaired, guided against piecewise on the same prompt and cache: "
-                     f"{_verdict(w, lo, len(both) - w - lo, 'needle answers')}.\n")
-            right = [k for k in both if full[k[0]]["correct"]]
-            kept = sum(bool(g[k]) for k in right)
-            if right:
-                s.append(f"Guided keeps {kept} of the full cache's {len(right)} right answers "
-                         f"({100 * kept / len(right):.0f}%; piecewise {sum(bool(p[k]) for k in right)}).\n")
+        got = {c: {(key(r), r["cells"]): r["correct"] for r in sr if r["config"] == c} for c in configs}
+        for a, b in (("guided", "piecewise"), ("guided+recall", "guided")):
+            if a in got and b in got:
+                both = [k for k in got[a] if k in got[b]]
+                w, lo = sum(got[a][k] > got[b][k] for k in both), sum(got[a][k] < got[b][k] for k in both)
+                s.append(f"\nPaired, {a} against {b} on the same prompt and cache: "
+                         f"{_verdict(w, lo, len(both) - w - lo, 'needle answers')}.\n")
+        for c in configs:
+            right = [k for k in got[c] if full[k[0]]["correct"]]
+            if c != "piecewise" and right:
+                kept = sum(bool(got[c][k]) for k in right)
+                s.append(f"{c[0].upper() + c[1:]} keeps {kept} of the full cache's {len(right)} right answers "
+                         f"({100 * kept / len(right):.0f}%).\n")
         cost = [r for r in sr if r["config"] == "guided" and r.get("guided")]
         if cost:
             share = [r["guide_s"] / r["prefill_s"] for r in cost]
             s.append(f"The guide's own cost: {float(np.median(share)) * 100:.1f}% of the guided prefill's time (median; "
-                     f"{float(np.median([r['guided'] for r in cost])):.0f} guided evictions per prompt).\n\n")
+                     f"{float(np.median([r['guided'] for r in cost])):.0f} guided evictions per prompt).\n")
+        cost = [r for r in sr if r["config"] == "guided+recall" and "recall_s" in r]
+        if cost:
+            s.append(f"With recall: the question's recall {float(np.median([r['recall_s'] for r in cost])):.2f} s "
+                     f"(median; {float(np.median([r['recall_s'] / r['prefill_s'] for r in cost])) * 100:.1f}% of the "
+                     f"prefill, {float(np.median([r['recalled_tokens'] for r in cost])):.0f} tokens brought back, all "
+                     f"buffers together); {float(np.median([r['recall_total_s'] for r in cost])):.2f} s of recalls in "
+                     "the whole read and answer.\n")
+        s.append("\n")
     judge = [r for r in rows if r["part"] == "fidelity" and r.get("split", "fidelity") == "fidelity"]
     fr = [r for r in judge if r["config"] != "not run"]
     not_run = [r for r in judge if r["config"] == "not run"]
@@ -363,6 +372,27 @@ def long_prompt_section(d) -> str:
         s.append(_table(["model", "prompts", "cells", "kept", "one eviction KL", "piecewise KL", "guided KL",
                          "guided / one eviction", "guided vs piecewise (wins-losses)"], table))
         s.append("\nThe goal: guided within 1.5x of one eviction's mean KL.\n\n")
+        rc = [r for r in fr if r["config"] == "guided+recall"]
+        if rc:
+            table = []
+            for mdl in sorted({r["model"] for r in rc}):
+                ks = [key(r) for r in rc if r["model"] == mdl]
+                mean = {c: float(np.mean([by[(c, k)]["kl_mean"] for k in ks])) if all((c, k) in by for k in ks)
+                        else float("nan") for c in ("one eviction", "one eviction+recall", "guided", "guided+recall")}
+                w = sum(by[("guided+recall", k)]["kl_mean"] < by[("guided", k)]["kl_mean"] for k in ks)
+                lo = sum(by[("guided+recall", k)]["kl_mean"] > by[("guided", k)]["kl_mean"] for k in ks)
+                table.append([mdl, len(ks), mean["one eviction"], mean["one eviction+recall"], mean["guided"],
+                              mean["guided+recall"], f"{mean['guided+recall'] / max(mean['one eviction'], 1e-12):.2f}x",
+                              f"{mean['guided+recall'] / max(mean['one eviction+recall'], 1e-12):.2f}x",
+                              f"{w}-{lo} (p {sign_test(w, lo):.3g})"])
+            s.append("**The same with the recall tier on** (`recall=True`, its defaults: what the evictions between "
+                     "pieces drop goes to the store, and the question and the answer bring pages back; \"one "
+                     "eviction+recall\": the whole prompt in a cache that holds it, evicted once to the same budget, "
+                     "recall on; rows " + ", ".join(f"`{c}`" for c in sorted({r.get('commit', '?') for r in rc}))
+                     + "):\n\n")
+            s.append(_table(["model", "prompts", "one eviction KL", "one eviction+recall KL", "guided KL",
+                             "guided+recall KL", "guided+recall / one eviction", "guided+recall / one eviction+recall",
+                             "guided+recall vs guided (wins-losses)"], table) + "\n")
     s.append(_fidelity_tune([r for r in rows if r["part"] == "fidelity" and r.get("split") == "fidelity-tune"]))
     for r in not_run:
         s.append(f"Fidelity through {r['cells']} cells, {r['model']}: not run ({r['reason']}).\n\n")

@@ -51,10 +51,12 @@ def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, w
     llm.recall.on_evict = spy
     llm.eval(prompt(200, 1))                     # fits the cache: one eviction, after the prompt
     assert llm.n_evictions == 1 and llm.recall.store.n_tokens == 200 - 64
+    r0 = llm.kv_report()["recall"]["recalls"]
+    assert r0 == 2                               # the turn's recall after the eviction (lookahead on), its draft's
     evicted_to = ek.true_positions(llm)[:, :64].copy()
     decode(llm, 40)                              # 40 more cells: no second eviction, 20 recalls
     rep = llm.kv_report()["recall"]
-    assert llm.n_evictions == 1 and rep["recalls"] == 20 and rep["recalled_tokens"] > 0
+    assert llm.n_evictions == 1 and rep["recalls"] == r0 + 20 and rep["recalled_tokens"] > 0
     g = ek.geometry(llm)
     tp = ek.true_positions(llm)
     now = slot_rows(llm, tp[:, : g.n_compacted])
@@ -148,13 +150,14 @@ def test_the_answer_starts_from_the_cache_as_recalled_with_or_without_a_turn_dra
         llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": k}, **SETTINGS)
         llm.eval(prompt(200, 4))
         decode(llm, 5)
-        n0, recalls = llm.n_tokens, llm.kv_report()["recall"]["recalls"]
+        n0, rep0 = llm.n_tokens, llm.kv_report()["recall"]
+        recalls = rep0["recalls"]
         turn = prompt(10, 5)
         llm.eval(turn)                                       # shorter than the window: a turn, recalled for
         rep = llm.kv_report()["recall"]
         g, tp, st = ek.geometry(llm), ek.true_positions(llm), llm.recall.store
         assert llm.n_tokens == n0 + 10 and g.n_used == 64 + 5 + 10        # the draft's cells are gone
-        assert rep["drafted_tokens"] == k and rep["recalls"] == recalls + 1 + (k > 0)
+        assert rep["drafted_tokens"] == rep0["drafted_tokens"] + k and rep["recalls"] == recalls + 1 + (k > 0)
         for s in range(g.n_slots):                           # every position once, in the cache or the store
             held = np.concatenate([tp[s][tp[s] >= 0], st.pos[s]])
             assert np.array_equal(np.sort(held), np.arange(n0 + 10)), f"slot {s}"
@@ -396,3 +399,24 @@ def test_segment_sums_match_plain_sums_and_depend_on_their_own_rows_only():
         assert np.allclose(got, want, atol=1e-4)
         for i in range(starts.size):
             assert np.array_equal(_segment_sums(x, order, starts[i: i + 1], n[i: i + 1])[0], got[i])
+
+
+@pytest.mark.parametrize("lookahead", [0, 8])
+def test_a_prompt_read_in_pieces_ends_with_its_questions_recall(model, lookahead):
+    """A prompt longer than the cache, read in pieces: its evictions fill the store, and its last window
+    (the question) drives a turn's recall after the final eviction, with or without the lookahead draft
+    that eviction is scored with (the draft's scores keep the window's queries). Every position stays
+    once, in the cache or in the store."""
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 0}, lookahead=lookahead, guide_draft=0,
+                          **SETTINGS)
+    toks = prompt(700, 11)
+    llm.eval(toks)
+    rep = llm.kv_report()
+    assert rep["evictions"] >= 3 and rep["recall"]["recalls"] == 1
+    assert (rep["drafted_tokens"] > 0) == (lookahead > 0)
+    tp, st = ek.true_positions(llm), llm.recall.store
+    for s in range(tp.shape[0]):
+        held = np.concatenate([tp[s][tp[s] >= 0], st.pos[s]])
+        assert np.array_equal(np.sort(held), np.arange(700)), f"slot {s}"
+    decode(llm, 6)
+    assert llm.n_tokens == 706

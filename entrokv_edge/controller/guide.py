@@ -68,4 +68,6 @@ def guide_scores(llm, scores: WindowScores, guide: list[int], eval_tokens: Calla
     if stats is not None:
         stats["guided"] = len(guide)
     mixed = (1.0 - share) * np.asarray(scores.scores, dtype=np.float64) + share * v
-    return WindowScores(mixed, scores.true_pos, scores.layer_ids, scores.window, scores.n_tokens, scores.pos_last)
+    # the window's own queries stay (a turn's recall is driven by them)
+    return WindowScores(mixed, scores.true_pos, scores.layer_ids, scores.window, scores.n_tokens, scores.pos_last,
+                        scores.queries)

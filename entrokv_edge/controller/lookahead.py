@@ -85,7 +85,9 @@ def lookahead_scores(llm, scores: WindowScores, k: int, eval_tokens: Callable[[l
         return scores
     w, d = scores.window, len(drafted)
     mixed = (w * scores.scores + acc) / (w + d) if share == 0 else (1.0 - share) * scores.scores + (share / d) * acc
-    return WindowScores(mixed, scores.true_pos, scores.layer_ids, scores.window, scores.n_tokens, scores.pos_last)
+    # the window's own queries stay (a turn's recall is driven by them)
+    return WindowScores(mixed, scores.true_pos, scores.layer_ids, scores.window, scores.n_tokens, scores.pos_last,
+                        scores.queries)
 
 
 def draft_room(llm, g: KVGeometry) -> int:
