@@ -51,6 +51,14 @@ on heldout (8k and 16k through 1024 and 2048 cells; the full cache's rows are th
 a plain llama.cpp cache) and on the fidelity judge, where it is also compared with "one eviction+recall":
 the whole prompt in a cache that holds it, evicted once to the same budget, recall on. It is reported
 as it comes out; recall's default (off) is issue 23's to change, not this round's.
+
+Round 4's one choice, made on the tune split before heldout runs (commit 7f6ad00 made the turn's recall
+run after a prompt that ends in its own eviction scored with the lookahead draft, as after any turn; an
+earlier stage had taken that recall back on one SmolLM2 needle): benchmarks/research/end_recall_ab.py
+runs the tune needles (8k, SmolLM2 and Gemma 3, 1024 and 2048 cells) with and without it
+("guided+recall" and "guided+recall-noend"). The rule: the recall after the final eviction stays if it
+keeps at least as many of the full cache's right answers as without and has at least as many right
+answers in all; otherwise it is taken out again. Heldout then runs once with what the rule keeps.
 """
 from __future__ import annotations
 

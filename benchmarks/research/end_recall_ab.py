@@ -1,0 +1,53 @@
+"""Round 4's question, on long_prompt.py's needles: should the turn's recall run after a prompt that
+ends in its own eviction (scored with the lookahead draft)? Runs long_prompt.py's ``needle`` part with
+one more configuration, "guided+recall-noend": recall on, but no recall right after that final
+eviction (the behaviour before commit 7f6ad00, when the draft's scores dropped the window's queries:
+reproduced here by dropping them again, in this process only). "guided+recall" is today's code.
+
+    python benchmarks/research/end_recall_ab.py [long_prompt.py's arguments]
+
+The rule (written before the rows; long_prompt.py's docstring, round 4).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import long_prompt as LP  # noqa: E402
+from entrokv_edge.controller import controller as C  # noqa: E402
+
+_draft = C.lookahead_scores
+_NOEND = {"on": False}
+
+
+def _noend(llm, scores, *args, **kwargs):
+    out = _draft(llm, scores, *args, **kwargs)
+    if _NOEND["on"] and out is not scores:      # a draft joined: its mix without the window's queries, as before
+        out = dataclasses.replace(out, queries=None)
+    return out
+
+
+C.lookahead_scores = _noend
+LP.CONFIGS["guided+recall-noend"] = dict(recall=True)
+
+
+_rows = LP.needle_rows
+
+
+def needle_rows(models, split, lengths, cells, configs, *args, **kwargs):
+    rows = []
+    for name, kw in configs.items():
+        _NOEND["on"] = name == "guided+recall-noend"
+        rows += [r for r in _rows(models, split, lengths, cells, {name: kw}, *args, **kwargs)
+                 if r["config"] != "full" or name == next(iter(configs))]
+    _NOEND["on"] = False
+    return rows
+
+
+LP.needle_rows = needle_rows
+
+if __name__ == "__main__":
+    sys.exit(LP.main())
