@@ -59,6 +59,13 @@ runs the tune needles (8k, SmolLM2 and Gemma 3, 1024 and 2048 cells) with and wi
 ("guided+recall" and "guided+recall-noend"). The rule: the recall after the final eviction stays if it
 keeps at least as many of the full cache's right answers as without and has at least as many right
 answers in all; otherwise it is taken out again. Heldout then runs once with what the rule keeps.
+(The tune needles tied - the same answer on every prompt - so it stayed.)
+
+A second check of the same choice, written before its rows after the fidelity judge's first rows showed
+"one eviction+recall" far above "one eviction" on some prompts (the question inside the window the
+eviction was scored by): on fidelity-tune (SmolLM2, 8 prompts) the recall after the final eviction stays
+only if the mean KL without it is not lower, for both "one eviction+recall" and "guided+recall";
+otherwise it is taken out (end_recall_ab.py runs both ways).
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ reproduced here by dropping them again, in this process only). "guided+recall" i
 
     python benchmarks/research/end_recall_ab.py [long_prompt.py's arguments]
 
-The rule (written before the rows; long_prompt.py's docstring, round 4).
+The rule (written before the rows; long_prompt.py's docstring, round 4). With ``--parts fidelity-tune``
+every recall configuration runs both ways, the rows without that recall named "...-noend".
 """
 from __future__ import annotations
 
@@ -48,6 +49,28 @@ def needle_rows(models, split, lengths, cells, configs, *args, **kwargs):
 
 
 LP.needle_rows = needle_rows
+
+_fid = LP.fidelity_rows
+
+
+def fidelity_rows(models, *args, configs=(), **kwargs):
+    """Each recall configuration's rows with the recall after the final eviction (as today) and without it
+    (the same names with "-noend"; "one eviction+recall" too)."""
+    rows = []
+    for noend in (False, True):
+        _NOEND["on"] = noend
+        got = _fid(models, *args, configs=[c for c in configs if c != "guided+recall-noend"], **kwargs)
+        for r in got:
+            if noend:
+                if r["config"] in ("one eviction", "not run"):
+                    continue
+                r["config"] += "-noend"
+            rows.append(r)
+    _NOEND["on"] = False
+    return rows
+
+
+LP.fidelity_rows = fidelity_rows
 
 if __name__ == "__main__":
     sys.exit(LP.main())
