@@ -66,6 +66,13 @@ A second check of the same choice, written before its rows after the fidelity ju
 eviction was scored by): on fidelity-tune (SmolLM2, 8 prompts) the recall after the final eviction stays
 only if the mean KL without it is not lower, for both "one eviction+recall" and "guided+recall";
 otherwise it is taken out (end_recall_ab.py runs both ways).
+
+Round 4's outcome: on fidelity-tune the recall after the final eviction lowered the mean KL (guided+recall
+0.085 against 0.141 without it, one eviction+recall 0.086 against 0.108; one eviction without recall
+0.067), so it stays. Heldout (b8afcdc): guided+recall keeps 16 of the full cache's 22 right answers where
+the guided read keeps 18 (0 wins, 2 losses, Gemma 3 at 16k through 1024 cells); on the fidelity judge,
+SmolLM2, mean KL 0.102 against the guided read's 0.077 and one eviction's 0.049. Recall does not close
+issue 22's gaps (docs/research.md, "Documents bigger than the cache with recall").
 """
 from __future__ import annotations
 

@@ -328,12 +328,14 @@ def long_prompt_section(d) -> str:
         for a, b in (("guided", "piecewise"), ("guided+recall", "guided")):
             if a in got and b in got:
                 both = [k for k in got[a] if k in got[b]]
+                if not both:
+                    continue
                 w, lo = sum(got[a][k] > got[b][k] for k in both), sum(got[a][k] < got[b][k] for k in both)
                 s.append(f"\nPaired, {a} against {b} on the same prompt and cache: "
                          f"{_verdict(w, lo, len(both) - w - lo, 'needle answers')}.\n")
         for c in configs:
             right = [k for k in got[c] if full[k[0]]["correct"]]
-            if c != "piecewise" and right:
+            if c.startswith("guided") and right:
                 kept = sum(bool(got[c][k]) for k in right)
                 s.append(f"{c[0].upper() + c[1:]} keeps {kept} of the full cache's {len(right)} right answers "
                          f"({100 * kept / len(right):.0f}%).\n")
@@ -342,9 +344,9 @@ def long_prompt_section(d) -> str:
             share = [r["guide_s"] / r["prefill_s"] for r in cost]
             s.append(f"The guide's own cost: {float(np.median(share)) * 100:.1f}% of the guided prefill's time (median; "
                      f"{float(np.median([r['guided'] for r in cost])):.0f} guided evictions per prompt).\n")
-        cost = [r for r in sr if r["config"] == "guided+recall" and "recall_s" in r]
-        if cost:
-            s.append(f"With recall: the question's recall {float(np.median([r['recall_s'] for r in cost])):.2f} s "
+        for mdl in sorted({r["model"] for r in sr if r["config"] == "guided+recall" and "recall_s" in r}):
+            cost = [r for r in sr if r["config"] == "guided+recall" and "recall_s" in r and r["model"] == mdl]
+            s.append(f"With recall, {mdl}: the recall at the question {float(np.median([r['recall_s'] for r in cost])):.2f} s "
                      f"(median; {float(np.median([r['recall_s'] / r['prefill_s'] for r in cost])) * 100:.1f}% of the "
                      f"prefill, {float(np.median([r['recalled_tokens'] for r in cost])):.0f} tokens brought back, all "
                      f"buffers together); {float(np.median([r['recall_total_s'] for r in cost])):.2f} s of recalls in "
