@@ -361,7 +361,8 @@ def main(argv=None) -> int:
     f = fidelity.QUICK if args.quick else fidelity.FULL
     if "fidelity" in parts:
         rows += [{"part": "fidelity", "split": "fidelity", **r} for r in fidelity_rows(
-            args.models, g["fid_tokens"], f["n_qa"], f["n_code"], f["length"], commit, configs=args.configs)]
+            args.models, g["fid_tokens"], f["n_qa"], f["n_code"], f["length"], commit,
+            configs=[c for c in args.configs if "guide_from" not in CONFIGS[c]])]   # (a needle split's option)
     if "fidelity-tune" in parts:      # the guide's settings against each other, on prompts the judge does not use
         rows += [{"part": "fidelity", "split": "fidelity-tune", **r} for r in fidelity_rows(
             args.models, g["fid_tokens"], f["n_qa"], f["n_code"], f["length"], commit, split="fidelity-tune",

@@ -362,7 +362,7 @@ def long_prompt_section(d) -> str:
         for mdl in sorted({r["model"] for r in fr}):
             mr = [r for r in fr if r["model"] == mdl]
             mean = {c: float(np.mean([r["kl_mean"] for r in mr if r["config"] == c])) for c in ("one eviction", "piecewise", "guided")}
-            ks = [key(r) for r in mr if r["config"] == "guided"]
+            ks = [key(r) for r in mr if r["config"] == "guided" and ("piecewise", key(r)) in by]
             w = sum(by[("guided", k)]["kl_mean"] < by[("piecewise", k)]["kl_mean"] for k in ks)
             lo = sum(by[("guided", k)]["kl_mean"] > by[("piecewise", k)]["kl_mean"] for k in ks)
             table.append([mdl, len(ks), mr[0]["cells"], mr[0].get("kept_tokens"), mean["one eviction"], mean["piecewise"],
@@ -381,8 +381,9 @@ def long_prompt_section(d) -> str:
                 ks = [key(r) for r in rc if r["model"] == mdl]
                 mean = {c: float(np.mean([by[(c, k)]["kl_mean"] for k in ks])) if all((c, k) in by for k in ks)
                         else float("nan") for c in ("one eviction", "one eviction+recall", "guided", "guided+recall")}
-                w = sum(by[("guided+recall", k)]["kl_mean"] < by[("guided", k)]["kl_mean"] for k in ks)
-                lo = sum(by[("guided+recall", k)]["kl_mean"] > by[("guided", k)]["kl_mean"] for k in ks)
+                pair = [k for k in ks if ("guided", k) in by]
+                w = sum(by[("guided+recall", k)]["kl_mean"] < by[("guided", k)]["kl_mean"] for k in pair)
+                lo = sum(by[("guided+recall", k)]["kl_mean"] > by[("guided", k)]["kl_mean"] for k in pair)
                 table.append([mdl, len(ks), mean["one eviction"], mean["one eviction+recall"], mean["guided"],
                               mean["guided+recall"], f"{mean['guided+recall'] / max(mean['one eviction'], 1e-12):.2f}x",
                               f"{mean['guided+recall'] / max(mean['one eviction+recall'], 1e-12):.2f}x",
@@ -416,14 +417,16 @@ def _fidelity_tune(rows) -> str:
         for c in configs:
             both = [k for k in ks if (c, k) in by]
             mean = float(np.mean([by[(c, k)] for k in both])) if both else float("nan")
-            pair = [k for k in both if ("guided", k) in by]
-            w = sum(by[(c, k)] < by[("guided", k)] for k in pair)
-            lo = sum(by[(c, k)] > by[("guided", k)] for k in pair)
+            ref = c[: -len("-noend")] if c.endswith("-noend") else "guided"     # an A/B row: against its counterpart
+            pair = [k for k in both if (ref, k) in by]
+            w = sum(by[(c, k)] < by[(ref, k)] for k in pair)
+            lo = sum(by[(c, k)] > by[(ref, k)] for k in pair)
             line.append(f"{mean:.3f}" + (f" ({w}-{lo})" if c != "guided" else ""))
         table.append(line)
     commits = ", ".join(f"`{c}`" for c in sorted({r.get("commit", "?") for r in rows}))
     return ("**Tune prompts** (QA essays and code modules the judge does not use, same cache and answer length; "
-            f"mean KL per configuration, and its paired wins-losses against the defaults, \"guided\"; rows {commits}):\n\n"
+            f"mean KL per configuration, and its paired wins-losses against the defaults, \"guided\" (a \"-noend\" row: "
+            f"against the same configuration with the recall after the final eviction); rows {commits}):\n\n"
             + _table(["model", "prompts", "one eviction"] + configs, table) + "\n")
 
 

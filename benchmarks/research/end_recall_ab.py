@@ -59,7 +59,10 @@ def fidelity_rows(models, *args, configs=(), **kwargs):
     rows = []
     for noend in (False, True):
         _NOEND["on"] = noend
-        got = _fid(models, *args, configs=[c for c in configs if c != "guided+recall-noend"], **kwargs)
+        todo = [c for c in configs if c != "guided+recall-noend" and (not noend or LP.CONFIGS[c].get("recall"))]
+        if not todo:
+            continue
+        got = _fid(models, *args, configs=todo, **kwargs)
         for r in got:
             if noend:
                 if r["config"] in ("one eviction", "not run"):

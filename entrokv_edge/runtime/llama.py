@@ -37,6 +37,12 @@ _SETTINGS = tuple(f.name for f in dataclasses.fields(EvictionConfig))     # ever
 MAX_THREADS = 512          # ggml's GGML_MAX_N_THREADS: a larger thread count crashes inside ggml
 
 
+def _without_queries(ws: WindowScores | None) -> WindowScores | None:
+    """Window scores as a saved state keeps them: without the window's queries, which only the turn's recall
+    right after that window reads (a restored conversation's next turn observes its own)."""
+    return ws if ws is None or ws.queries is None else dataclasses.replace(ws, queries=None)
+
+
 def reserved_cells(kv_cells: int, cfg: EvictionConfig) -> int:
     """Cells an eviction leaves free for new tokens: a quarter of the cache, at least a window and a page."""
     return max(cfg.window + cfg.page_size, kv_cells // 4)
@@ -549,7 +555,8 @@ class EntroKVLlama(llama_cpp.Llama):
             return session.EntroKVState(
                 input_ids=np.asarray(self.input_ids[: self.n_tokens], dtype=np.int32).copy(), n_tokens=self.n_tokens,
                 llama_state=llama_cpp.ctypes.string_at(buf, n_bytes), seed=int(self._seed), logits=logits, true_pos=tp,
-                window_scores=self._window_scores, settings={k: getattr(self.config, k) for k in _SETTINGS},
+                window_scores=_without_queries(self._window_scores),
+                settings={k: getattr(self.config, k) for k in _SETTINGS},
                 identity=self._identity(), recall=self.recall.arrays() if self.recall else {})
 
     def load_state(self, state: session.EntroKVState) -> None:

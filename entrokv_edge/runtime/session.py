@@ -62,7 +62,8 @@ class EntroKVState(llama_cpp.LlamaState):
         """Bytes this state holds in memory (what a cache of states counts)."""
         ws = self.window_scores
         return (len(self.llama_state) + self.input_ids.nbytes + self.logits.nbytes + self.true_pos.nbytes
-                + (ws.scores.nbytes + ws.true_pos.nbytes if ws is not None else 0)
+                + (ws.scores.nbytes + ws.true_pos.nbytes + (ws.queries.nbytes if ws.queries is not None else 0)
+                   if ws is not None else 0)
                 + sum(a.nbytes for a in self.recall.values()))
 
 
