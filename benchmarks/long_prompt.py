@@ -122,6 +122,22 @@ def _runtime(model: str, cells: int, n_logical: int, recall=None):
                            n_threads_batch=H.threads(), recall=recall)
 
 
+class _Runtimes:
+    """A model's EntroKVLlama instances by (cells, recall option), each made when first needed."""
+
+    def __init__(self, model: str, n_logical: int):
+        self.model, self.n_logical, self.made = model, n_logical, {}
+
+    def get(self, cells: int, recall=None):
+        if (cells, recall) not in self.made:
+            self.made[cells, recall] = _runtime(self.model, cells, self.n_logical, recall)
+        return self.made[cells, recall]
+
+    def close(self) -> None:
+        for llm in self.made.values():
+            llm.close()
+
+
 def _split_config(kw: dict) -> tuple[dict, object]:
     """A CONFIGS entry as (EvictionConfig's fields, the runtime's recall option)."""
     kw = dict(kw)
@@ -136,14 +152,14 @@ def _read(llm, tokens: list[int], cfg: ek.EvictionConfig, guide=None) -> dict:
     if llm.recall:      # its counters per read
         llm.recall.recalled = llm.recall.n_recalls = 0
         llm.recall_s = 0.0
-    before = (llm.n_evictions, llm.eviction_s, llm.n_guided, llm.guide_s, llm.recall_s)
+    before = (llm.n_evictions, llm.eviction_s, llm.n_guided, llm.guide_s)
     t0 = time.perf_counter()
     llm.eval(tokens, guide=guide)
     out = {"prefill_s": time.perf_counter() - t0, "evictions": llm.n_evictions - before[0],
            "eviction_s": llm.eviction_s - before[1], "guided": llm.n_guided - before[2],
            "guide_s": llm.guide_s - before[3], "kept_tokens": ek.geometry(llm).n_used}
     if llm.recall:      # the turn's recall (part of the prefill's time), before any answer token
-        out.update(recall_s=llm.recall_s - before[4], recalled_tokens=llm.recall.recalled)
+        out.update(recall_s=llm.recall_s, recalled_tokens=llm.recall.recalled)
     return out
 
 
@@ -195,12 +211,7 @@ def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, co
             continue
         full = H.load(model, max(fits) + max_answer + 64)
         stop = H.stop_tokens(full)
-        small = {}            # (cells, recall option): a runtime, made when first needed
-
-        def runtime(c, rc):
-            if (c, rc) not in small:
-                small[c, rc] = _runtime(model, c, max(fits) + 1024, rc)
-            return small[c, rc]
+        small = _Runtimes(model, max(fits) + 1024)
         for length in fits:
             for i, depth in enumerate(sp["depths"]):
                 kind = sp["kinds"][i % len(sp["kinds"])]
@@ -232,7 +243,7 @@ def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, co
                             guide = None
                             if kw.pop("guide_from", None) == "question":
                                 guide = p.meta["question_tokens"] + p.tokens[-ek.EvictionConfig(**kw).guide:]
-                            llm = runtime(c, rc)
+                            llm = small.get(c, rc)
                             r = _read(llm, p.tokens, ek.EvictionConfig(**kw), guide)
                             ans = _answer(llm, max_answer, stop)
                             row = book.add(_answer_costs(llm, {**base, "config": name, "cells": c, "answer": ans,
@@ -243,8 +254,7 @@ def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, co
                 log(f"long needle {model} {split} {length} depth {depth} ({kind}): " +
                     ", ".join(f"{k[0]}@{k[1]} {v}" for k, v in got.items()))
         full.close()
-        for llm in small.values():
-            llm.close()
+        small.close()
     return rows
 
 
@@ -277,14 +287,9 @@ def fidelity_rows(models, tokens: int, n_qa: int, n_code: int, length: int, comm
     rows = []
     cells = length // 4
     for model in models:
-        small = {}            # (cells, recall option): a runtime, made when first needed
-
-        def runtime(c, rc):
-            if (c, rc) not in small:
-                small[c, rc] = _runtime(model, c, length + tokens + 256, rc)
-            return small[c, rc]
+        small = _Runtimes(model, length + tokens + 256)
         try:
-            first = runtime(cells, None)
+            first = small.get(cells)
         except ValueError as e:       # e.g. Gemma 3: its sliding window needs more cells than a quarter of 2k
             log(f"long fidelity {model}: not run through {cells} cells: {e}")
             rows.append({"model": model, "config": "not run", "cells": cells, "reason": str(e), "commit": commit})
@@ -305,14 +310,14 @@ def fidelity_rows(models, tokens: int, n_qa: int, n_code: int, length: int, comm
             if any(_split_config(CONFIGS[name])[1] for name in configs):
                 # the same eviction with the recall tier on: the whole prompt in a cache that holds it, evicted once
                 # after it to the same budget, then recalling (the turn's and the answer's recalls)
-                big = runtime(length + tokens + 256, True)
+                big = small.get(length + tokens + 256, True)
                 r = _read(big, p.tokens, ek.EvictionConfig(budget=budget))
                 lp = fidelity._follow(big, H.logits(big), ref)
                 rows.append(_answer_costs(big, {**base, "config": "one eviction+recall",
                                                 "kl_mean": float(np.mean(fidelity._kl(full_lp, lp))), **r}))
             for name in configs:
                 kw, rc = _split_config(CONFIGS[name])
-                llm = runtime(cells, rc)
+                llm = small.get(cells, rc)
                 r = _read(llm, p.tokens, ek.EvictionConfig(**kw))
                 lp = fidelity._follow(llm, H.logits(llm), ref)
                 rows.append(_answer_costs(llm, {**base, "config": name,
@@ -320,8 +325,7 @@ def fidelity_rows(models, tokens: int, n_qa: int, n_code: int, length: int, comm
             log(f"long {split} {model} {p.meta['kind']} {p.meta['source']}: " + ", ".join(
                 f"{r['config']} {r['kl_mean']:.3f}" for r in rows[n0 - 1:]))
         full.close()
-        for llm in small.values():
-            llm.close()
+        small.close()
     return rows
 
 

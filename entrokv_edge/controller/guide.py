@@ -15,6 +15,8 @@ Optionally a short greedy draft follows the guide (``draft``): the answer's firs
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable
 
 import numpy as np
@@ -68,6 +70,4 @@ def guide_scores(llm, scores: WindowScores, guide: list[int], eval_tokens: Calla
     if stats is not None:
         stats["guided"] = len(guide)
     mixed = (1.0 - share) * np.asarray(scores.scores, dtype=np.float64) + share * v
-    # the window's own queries stay (a turn's recall is driven by them)
-    return WindowScores(mixed, scores.true_pos, scores.layer_ids, scores.window, scores.n_tokens, scores.pos_last,
-                        scores.queries)
+    return dataclasses.replace(scores, scores=mixed)        # the window's own queries stay: a turn's recall reads them

@@ -12,6 +12,8 @@ as without lookahead: the drafted tokens only decide what is kept.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable
 
 import numpy as np
@@ -85,9 +87,7 @@ def lookahead_scores(llm, scores: WindowScores, k: int, eval_tokens: Callable[[l
         return scores
     w, d = scores.window, len(drafted)
     mixed = (w * scores.scores + acc) / (w + d) if share == 0 else (1.0 - share) * scores.scores + (share / d) * acc
-    # the window's own queries stay (a turn's recall is driven by them)
-    return WindowScores(mixed, scores.true_pos, scores.layer_ids, scores.window, scores.n_tokens, scores.pos_last,
-                        scores.queries)
+    return dataclasses.replace(scores, scores=mixed)        # the window's own queries stay: a turn's recall reads them
 
 
 def draft_room(llm, g: KVGeometry) -> int:
