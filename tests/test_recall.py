@@ -297,6 +297,104 @@ def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan():
     assert max(pages_in) > 0 and min(pages_in) < N, pages_in
 
 
+def reference_decision(att, w_cache, w_read, ent, tp, protect, P, page, max_groups):
+    """llama_entrokv_recall_plan for one slot, written plainly (float64, loops): (read pages taken, cells
+    displaced), both in order."""
+    r, n_read = att.shape[1], w_read.shape[-1]
+    valid = ent >= 0
+    total = w_cache + (w_read * valid).sum(-1)                                   # [I, r]
+    tok = (w_read * valid / total[..., None]).sum(0)                              # [r, n_read]
+    pages = range(n_read // page)
+    count = {p: int(valid[p * page:(p + 1) * page].sum()) for p in pages}
+    score = {p: max(tok[h, p * page:(p + 1) * page].sum() for h in range(r)) if count[p] else -np.inf for p in pages}
+    res = (att * (w_cache / total)[..., None]).sum(0).max(0)                     # [n_keep]
+    groups = {}
+    for c, t in enumerate(tp):
+        groups.setdefault(int(t) // P, []).append(c)
+    free = sorted((sum(res[c] for c in cs), g) for g, cs in groups.items()
+                  if len(cs) == P and not (g < len(protect) and protect[g]))[:max_groups]
+    taken, cells = [], []
+    for p in sorted(pages, key=lambda p: (-score[p], p)):
+        k = count[p] // P
+        if count[p] == 0 or count[p] % P or k > len(free) or not score[p] > sum(x for x, _ in free[:k]):
+            break
+        taken.append(p)
+        cells += [c for _, g in free[:k] for c in sorted(groups[g], key=lambda c: tp[c])]
+        free = free[k:]
+    return taken, cells
+
+
+def _decide(att, w_cache, w_read, ent, tp, protect, P, page, G):
+    from entrokv_edge.bindings import recall_plan
+    pages, n_pages, cells, n_cells = recall_plan(att, w_cache, w_read, ent, tp, protect, P, page, G)
+    return [(pages[s, :n_pages[s]].tolist(), cells[s, :n_cells[s]].tolist()) for s in range(att.shape[0])]
+
+
+def test_the_native_swap_decision_matches_a_plain_one():
+    """llama_entrokv_recall_plan against reference_decision on random slots: read pages with missing tokens (a
+    partial page stops a slot), resident eviction pages that are not whole or are protected, the cap on
+    displaced pages, att given as a slice of a wider array (its rows apart) and dense."""
+    rng = np.random.default_rng(1)
+    S, I, r, P, page, n_keep, n_pos = 40, 3, 2, 2, 8, 60, 72
+    protect = np.zeros(n_pos // P, bool)
+    protect[[0, 1, 2, 30]] = True
+    tp = np.stack([rng.choice(n_pos, n_keep, replace=False) for _ in range(S)]).astype(np.int32)
+    wide = rng.dirichlet(np.ones(n_keep + 7), size=(S, I, r)).astype(np.float32)
+    att = wide[..., :n_keep]                                  # rows n_keep + 7 floats apart
+    n_read = 5 * page
+    ent = np.where(rng.random((S, n_read)) < 0.9, np.arange(n_read), -1)
+    ent[::3] = np.arange(n_read)                              # every third slot: whole pages only
+    w_read = (rng.random((S, I, r, n_read)) * rng.choice([0.01, 0.1, 1.0], size=(S, 1, 1, 1))).astype(np.float32)
+    w_cache = rng.uniform(0.5, 1.0, (S, I, r)).astype(np.float32)
+    taken = {}
+    for G in (6, 40):
+        got = _decide(att, w_cache, w_read, ent, tp, protect, P, page, G)
+        assert got == _decide(np.ascontiguousarray(att), w_cache, w_read, ent, tp, protect, P, page, G)
+        for s in range(S):
+            assert got[s] == reference_decision(att[s].astype(np.float64), w_cache[s].astype(np.float64),
+                                                w_read[s].astype(np.float64), ent[s], tp[s], protect, P, page, G), s
+        taken[G] = [len(x[0]) for x in got]
+    # slots that swap several pages and slots that swap none; the cap on displaced pages binds
+    assert max(taken[40]) >= 2 and min(taken[40]) == 0 and sum(taken[6]) < sum(taken[40]), taken
+
+
+def test_the_native_swap_decision_breaks_ties_by_the_lower_page():
+    """Exact ties (dyadic weights): among equally attended resident eviction pages the lower true position goes
+    first, among equally attended read pages the lower page comes in first."""
+    P, page, n_keep = 2, 4, 16
+    tp = np.array([[9, 8, 3, 2, 15, 14, 5, 4, 1, 0, 7, 6, 13, 12, 11, 10]], np.int32)     # eviction pages 0..7
+    att = np.full((1, 1, 1, n_keep), 1 / 64, np.float32)       # every eviction page the same mass
+    att[0, 0, 0, [4, 5]] = 1 / 8                               # page 7 (positions 14, 15) attended more
+    w_read = np.full((1, 1, 1, 3 * page), 1 / 8, np.float32)   # three read pages of the same mass
+    ent = np.arange(3 * page)[None, :]
+    w_cache = np.ones((1, 1, 1), np.float32)                   # total 1 + 12/8: exact in binary
+    protect = np.array([True])                                 # eviction page 0 (positions 0, 1) never displaced
+    [(pages, cells)] = _decide(att, w_cache, w_read, ent, tp, protect, P, page, 16)
+    assert pages == [0, 1, 2]
+    pos = tp[0][cells].tolist()
+    assert pos == [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]    # pages 1..6 by position; 0 protected, 7 kept
+    assert (pages, cells) == reference_decision(att[0].astype(np.float64), w_cache[0].astype(np.float64),
+                                                w_read[0].astype(np.float64), ent[0], tp[0], protect, P, page, 16)
+
+
+def test_the_native_swap_decision_refuses_bad_input():
+    from entrokv_edge.bindings import EntroKVError, recall_plan
+    att = np.full((1, 1, 1, 4), 0.25, np.float32)
+    ok = dict(w_cache=np.ones((1, 1, 1), np.float32), w_read=np.ones((1, 1, 1, 4), np.float32), ent=np.arange(4)[None],
+              true_pos=np.arange(4, dtype=np.int32)[None], protect=np.zeros(2, bool), page_size=2, store_page=4,
+              max_groups=2)
+    recall_plan(att, **ok)
+    for bad, err in ((dict(w_cache=np.full((1, 1, 1), np.nan, np.float32)), EntroKVError),
+                     (dict(w_read=np.full((1, 1, 1, 4), np.inf, np.float32)), EntroKVError),
+                     (dict(true_pos=np.array([[0, 1, -1, 3]], np.int32)), EntroKVError),
+                     (dict(store_page=3), EntroKVError),
+                     (dict(max_groups=-1), EntroKVError),
+                     (dict(ent=np.arange(3)[None]), ValueError),
+                     (dict(w_cache=np.ones((1, 2, 1), np.float32)), ValueError)):
+        with pytest.raises(err):
+            recall_plan(att, **{**ok, **bad})
+
+
 def test_the_partial_sort_is_the_stable_sorts_head():
     """_smallest(x, k) against np.argsort(x, kind="stable")[:, :k]: ties (at the k-th value too), infinities, and k
     from 1 to past the row's length."""

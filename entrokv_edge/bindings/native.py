@@ -427,6 +427,48 @@ def select_pages_native(scores: np.ndarray, n_head_kv: int, *, budget: int, page
     return out[: L * G * N].reshape(L, G, N)
 
 
+def recall_plan(att: np.ndarray, w_cache: np.ndarray, w_read: np.ndarray, ent: np.ndarray, true_pos: np.ndarray,
+                protect: np.ndarray, page_size: int, store_page: int, max_groups: int, att_scale: np.ndarray | None = None):
+    """The recall's swap decision in C (llama_entrokv_recall_plan) for S slots: att float32 [S, I, r, n_keep]
+    (attention over the compacted cells), and on one scale per query the cache's total weight w_cache
+    [S, I, r] and the read pages' tokens' weights w_read [S, I, r, n_read]; ent [S, n_read] (< 0: no token);
+    true_pos [S, n_keep]; protect bool [eviction pages]; att_scale [S, I, r]: when given, the attention is
+    att x att_scale (a float32 product per value). Returns (pages int32 [S, n_read / store_page],
+    n_pages [S], cells int32 [S, n_read], n_cells [S]): per slot the read pages taken in order and the
+    cells they displace (the first n_pages[s] / n_cells[s] of each row)."""
+    ffi, lib = _api()
+    if att.ndim != 4:
+        raise ValueError(f"recall_plan: att must be [S, I, r, n_keep], got shape {att.shape}")
+    S, I, r, n_keep = att.shape
+    # rows of att may lie apart (a slice of a wider array, as the recall's attention is): passed with their stride
+    ld = att.strides[-2] // 4 if att.dtype == np.float32 and att.strides[-1] == 4 else -1
+    dense = all(n == 1 or st == e for n, st, e in zip(att.shape[:3], att.strides[:3], (I * r * ld * 4, r * ld * 4, ld * 4)))
+    if ld < n_keep or not dense or att.size == 0:
+        att, ld = np.ascontiguousarray(att, np.float32), n_keep
+    wc = np.ascontiguousarray(w_cache, np.float32)
+    wr = np.ascontiguousarray(w_read, np.float32)
+    sc = None if att_scale is None else np.ascontiguousarray(att_scale, np.float32)
+    n_read = wr.shape[-1] if wr.ndim == 4 else -1
+    ent = np.ascontiguousarray(ent, np.int32)
+    tp = np.ascontiguousarray(true_pos, np.int32)
+    prot = np.ascontiguousarray(protect, np.uint8)
+    if wc.shape != (S, I, r) or (sc is not None and sc.shape != (S, I, r)) or wr.shape != (S, I, r, n_read) or ent.shape != (S, n_read) or tp.shape != (S, n_keep):
+        raise ValueError(f"recall_plan: shapes att {att.shape}, w_cache {wc.shape}, w_read {wr.shape}, ent {ent.shape}, "
+                         f"true_pos {tp.shape} do not agree")
+    n_pages = n_read // max(int(store_page), 1)
+    pages, n_p = np.zeros((S, max(n_pages, 1)), np.int32), np.zeros(S, np.int32)
+    cells, n_c = np.zeros((S, max(n_read, 1)), np.int32), np.zeros(S, np.int32)
+    i32 = lambda a: ffi.from_buffer("int32_t[]", a)     # noqa: E731
+    _check(lib.llama_entrokv_recall_plan(
+        S, I, r, n_keep, ffi.cast("float *", att.ctypes.data), ld,
+        ffi.NULL if sc is None else ffi.from_buffer("float[]", sc), ffi.from_buffer("float[]", wc),
+        ffi.from_buffer("float[]", wr) if wr.size else ffi.NULL, i32(ent) if ent.size else ffi.NULL, n_read,
+        i32(tp), ffi.from_buffer("uint8_t[]", prot) if prot.size else ffi.NULL, prot.size,
+        _int32("page_size", page_size), _int32("store_page", store_page), _int32("max_groups", max_groups),
+        i32(pages), i32(n_p), i32(cells), i32(n_c)))
+    return pages[:, :n_pages], n_p, cells[:, :n_read], n_c
+
+
 def evict_native(llm, *, budget: int, page_size: int | None = None, sinks: int | None = None,
                  recent: int | None = None, tau: float | None = None, page_max: bool = False, seq_id: int = 0) -> int:
     """The C one-call eviction (last observed scores, then compaction); returns tokens kept per group.

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..bindings import geometry, read_cells, rows_to_float, true_positions, write_cells
+from ..bindings import geometry, read_cells, recall_plan, rows_to_float, true_positions, write_cells
 from ..bindings.observe import WindowScores
 
 
@@ -560,9 +560,8 @@ class Recall:
             m = logit.max(-1, keepdims=True)
             np.exp(np.subtract(logit, m, out=logit), out=logit)
             total = logit.sum(-1)                                                # [s, I, r]
-            att = logit[..., : self.n_keep]
-            att *= (1.0 / total)[..., None]
-            return q, att, m[..., 0] + np.log(total)
+            # the attention over the compacted cells: these values times 1 / total (the plan multiplies them)
+            return q, logit[..., : self.n_keep], m[..., 0] + np.log(total), 1.0 / total
         return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, cells.shape[1])
 
     def _resident_keys(self, llm, g, tp: np.ndarray) -> np.ndarray:
@@ -602,7 +601,8 @@ class Recall:
         """Plan every slot's swaps, a few slots at a time (their temporaries bounded by CHUNK_BYTES);
         ``tp`` [S, n_keep]: the compacted cells' true positions; ``held``: the cells the queries attend per slot.
         ``inputs(ss)`` gives slots ss's queries [s, I, r, d], their attention over the compacted cells
-        [s, I, r, n_keep] and their log-sum-exp over the cache [s, I, r]. Then move the rows: displaced
+        [s, I, r, n_keep] up to a scale, their log-sum-exp over the cache [s, I, r] and that scale [s, I, r]
+        (the attention is the product). Then move the rows: displaced
         tokens read out, stored ones written in, the store updated."""
         st = self.store
         P = self.eviction.page_size
@@ -616,7 +616,8 @@ class Recall:
         runs = [np.arange(a, min(a + chunk, g.n_slots)) for a in range(0, g.n_slots, chunk)]
         cells, si, e, kf_old = [], [], [], []
         for ss in runs:
-            c, i, j, k = plan(st, ss, *inputs(ss), tp[ss], protect, P, n_pages)
+            q, att, lse, scale = inputs(ss)
+            c, i, j, k = plan(st, ss, q, att, lse, tp[ss], protect, P, n_pages, scale)
             cells += c
             if i.size:
                 si.append(i), e.append(j), kf_old.append(k)
@@ -661,11 +662,11 @@ CHUNK_BYTES = 16 << 20      # a recall's temporaries per group of slots planned 
 
 
 def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.ndarray, tp: np.ndarray,
-         protect: np.ndarray, P: int, N: int):
+         protect: np.ndarray, P: int, N: int, att_scale: np.ndarray | None = None):
     """The swaps of slots ``ss`` (S of them), all at once.
 
-    q [S, I, r, d] the queries; att [S, I, r, n_keep] their attention over the compacted cells, whose
-    true positions are tp [S, n_keep]; lse_res [S, I, r] their log-sum-exp over the cache; protect
+    q [S, I, r, d] the queries; att [S, I, r, n_keep] their attention over the compacted cells (times
+    att_scale [S, I, r] when given), whose true positions are tp [S, n_keep]; lse_res [S, I, r] their log-sum-exp over the cache; protect
     [eviction pages] the pages never displaced; P the eviction's page size; N the pages read per slot.
     Per slot: the digests rank the stored pages by the mass their mean key would get (at most 1 per
     query and head); the top N are read and scored exactly against the cache (their mass and the
@@ -693,57 +694,22 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     ent = st.table()[ss[:, None], short].astype(np.int64)
     ent[~ok_short] = -1
     ent = ent.reshape(S, -1)
-    valid = ent >= 0
     kf = st.keys(st.k.gather(np.broadcast_to(ss[:, None], ent.shape), np.maximum(ent, 0)))   # [S, N*page, d]
-    logit = np.where(valid[:, None, None, :], _dot(q, kf, np.float32), -np.inf)
-    lse_seen = np.logaddexp(lse_res, _lse(logit))                                    # [S, I, r]
-    tok = np.exp(logit - lse_seen[..., None]).sum(1)                                 # [S, r, N*page]
-    m = valid.reshape(S, -1, page).sum(-1)                                           # tokens per read page
-    page_score = tok.reshape(S, r, -1, page).sum(-1).max(1)                          # [S, N]
-    page_score = np.where(m > 0, page_score, -np.inf)
-    att = att * np.exp(lse_res - lse_seen)[..., None]                                # renormalised over both
-    res_score = att[:, 0].copy()
-    for i in range(1, att.shape[1]):                                                 # summed over the queries
-        res_score += att[:, i]
-    res_score = res_score.max(1)                                                     # [S, n_keep]
-    # what can be displaced: whole eviction pages of compacted cells, none protected, least attended first
-    gp = tp // P
-    n_gp = int(gp.max()) + 1
-    flat = (sl[:, None] * n_gp + gp).ravel()
-    gsum = np.bincount(flat, weights=res_score.ravel(), minlength=S * n_gp).reshape(S, n_gp)
-    gcnt = np.bincount(flat, minlength=S * n_gp).reshape(S, n_gp)
-    prot = np.zeros(n_gp, bool)
-    prot[: min(n_gp, protect.size)] = protect[:n_gp]
-    gscore = np.where((gcnt == P) & ~prot[None, :], gsum, np.inf)
-    by_score = _smallest(gscore, N * (-(-page // P)))       # no more groups than N pages displace
-    gsorted = np.take_along_axis(gscore, by_score, 1)
-    cell_tab = np.zeros(S * n_gp * P, np.int32)                                     # the cell of each true position
-    cell_tab[(sl[:, None] * (n_gp * P) + tp).ravel()] = np.tile(np.arange(tp.shape[1], dtype=np.int32), S)
-    cell_tab = cell_tab.reshape(S, n_gp, P)
-    # pages in descending mass; each takes the next m/P groups; the first that does not beat them stops the slot
-    po = np.argsort(-page_score, axis=1, kind="stable")
-    ps = np.take_along_axis(page_score, po, 1)
-    need = np.take_along_axis(m, po, 1)
-    whole = need % P == 0
-    need = need // P
-    c1 = np.cumsum(need, axis=1)
-    c0 = c1 - need
-    gcum = np.concatenate([np.zeros((S, 1)), np.cumsum(np.where(np.isfinite(gsorted), gsorted, 1e300), 1)], 1)
-    fits = c1 <= np.isfinite(gsorted).sum(1, keepdims=True)
-    n_gs = gsorted.shape[1]
-    disp = np.take_along_axis(gcum, np.minimum(c1, n_gs), 1) - np.take_along_axis(gcum, np.minimum(c0, n_gs), 1)
-    take = np.cumprod(whole & fits & (ps > disp) & (need > 0), axis=1).astype(bool)
-    # per slot: the groups displaced (the first c1 of by_score) and the pages taken (the first n_take of po)
-    n_take = take.sum(1)
-    n_groups = np.where(n_take > 0, np.take_along_axis(c1, np.maximum(n_take - 1, 0)[:, None], 1)[:, 0], 0)
-    gmask = np.arange(by_score.shape[1])[None, :] < n_groups[:, None]
-    out = cell_tab[np.nonzero(gmask)[0], by_score[gmask]].ravel().astype(np.int32)
-    cells = np.split(out, np.cumsum(n_groups * P)[:-1])
-    pmask = np.arange(po.shape[1])[None, :] < n_take[:, None]
+    # the read tokens' weights and the cache's on one scale per query (at most 1 each, one of them 1)
+    w = _dot(q, kf, np.float32)                                                       # [S, I, r, N*page]
+    w[np.broadcast_to((ent < 0)[:, None, None, :], w.shape)] = -np.inf
+    shift = np.maximum(lse_res, w.max(-1)) if w.shape[-1] else lse_res.astype(np.float32)
+    w -= shift[..., None]
+    np.exp(w, out=w)
+    # scored together with the resident tokens, the displaceable groups ordered, the swaps chosen: in C
+    pages, n_take, out, n_out = recall_plan(att, np.exp(lse_res - shift), w, ent, tp, protect, P, page,
+                                            N * (-(-page // P)), att_scale)     # no more groups than N pages displace
+    cells = [out[s, : n_out[s]] for s in range(S)]
+    pmask = np.arange(pages.shape[1])[None, :] < n_take[:, None]
     if not pmask.any():
         return cells, np.zeros(0, np.int64), np.zeros(0, np.int64), None
     prow = np.nonzero(pmask)[0]
-    es = ent.reshape(S, -1, page)[prow, po[pmask]]                                   # [taken pages, page]
-    ks = kf.reshape(S, -1, page, kf.shape[-1])[prow, po[pmask]]
+    es = ent.reshape(S, -1, page)[prow, pages[pmask]]                                # [taken pages, page]
+    ks = kf.reshape(S, -1, page, kf.shape[-1])[prow, pages[pmask]]
     ok = es >= 0
     return cells, np.broadcast_to(ss[prow][:, None], es.shape)[ok], es[ok], ks[ok]

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LLAMA_ENTROKV_API_VERSION 4
+#define LLAMA_ENTROKV_API_VERSION 5
 
 enum llama_entrokv_status {
     LLAMA_ENTROKV_OK                  =   0,
@@ -263,6 +263,33 @@ LLAMA_API int32_t llama_entrokv_select_pages(
         const struct llama_entrokv_params * params,
         int32_t * out_pages,
         size_t n_out);
+
+// The swap decision of a recall (the recall tier of entrokv_edge/runtime/recall.py) for n_s
+// slots at once; arrays are dense and slot-major. Per slot, for its n_tok x r queries (the
+// recall's tokens x the slot's query heads), on one scale per query (say exp(x - shift)):
+//   att     [n_tok, r, n_keep] : their attention over the compacted cells (normalised over the cache),
+//                                a row every att_ld (>= n_keep) floats; times att_scale [n_tok, r]
+//                                (each a float product) where att_scale is not NULL
+//   w_cache [n_tok, r]         : the cache's total weight (finite, >= 0)
+//   w_read  [n_tok, r, n_read] : the weights of the tokens of the stored pages read (store_page each)
+//   ent     [n_read]           : >= 0 where a read token exists (its store entry), < 0 where not
+//   true_pos [n_keep]          : the compacted cells' true positions (>= 0, distinct)
+// protect [n_protect]: eviction pages (of page_size true positions) never displaced; store_page must
+// be a multiple of page_size; max_groups: at most this many eviction pages are displaced per slot.
+// The read pages and the resident tokens are scored together (each query renormalised over both):
+// a mass is, for the query head that gives it most, the summed attention of the recall's tokens.
+// The whole, unprotected eviction pages are ordered by mass, least first (ties: lower page first);
+// the read pages in descending mass (ties: lower page first) each displace the next (tokens /
+// page_size) of them for as long as the page's mass is larger than theirs. Out, per slot s:
+// out_pages[s * n_read / store_page ..] the read pages taken, in that order (out_n_pages[s] of
+// them); out_cells[s * n_read ..] the cells they displace, page after page (out_n_cells[s]).
+// Reads only its inputs; a weight that is not finite, or a query with no weight, is refused.
+LLAMA_API int32_t llama_entrokv_recall_plan(
+        int32_t n_s, int32_t n_tok, int32_t r, int32_t n_keep,
+        const float * att, int64_t att_ld, const float * att_scale, const float * w_cache, const float * w_read, const int32_t * ent, int32_t n_read,
+        const int32_t * true_pos, const uint8_t * protect, int32_t n_protect,
+        int32_t page_size, int32_t store_page, int32_t max_groups,
+        int32_t * out_pages, int32_t * out_n_pages, int32_t * out_cells, int32_t * out_n_cells);
 
 // For C programs: Page-EntroKV on sequence seq_id of a never-compacted cache, from the
 // last observed scores (the observed ubatch must end the prompt), then compaction.
