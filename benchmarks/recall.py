@@ -285,6 +285,8 @@ def decode_rows(models, length: int, tokens: int, commit: str, configs=("evicted
         runs = {"full": H.load(model, n_ctx), **{c: _runtime(model, n_ctx, CONFIGS[c]) for c in configs}}
         for llm in runs.values():
             llm.eval(toks)
+        # the recall counters after the prompt (its own eviction's recall included): the decode's are the difference
+        before = {c: dict(llm.kv_report()["recall"]) for c, llm in runs.items() if c != "full"}
         last = {c: int(np.argmax(H.logits(llm))) for c, llm in runs.items()}
         spent = dict.fromkeys(runs, 0.0)
         for i in range(tokens):
@@ -300,6 +302,9 @@ def decode_rows(models, length: int, tokens: int, commit: str, configs=("evicted
             if c != "full":
                 rep = llm.kv_report()
                 row.update(kept_tokens=rep["kept_tokens"], recall=rep["recall"])
+                if rep["recall"]["on"]:       # while decoding only: recalls, tokens moved, their time (per recall)
+                    d = {k: rep["recall"][k] - before[c][k] for k in ("recalls", "recalled_tokens", "recall_s")}
+                    row["decode_recall"] = {**d, "ms_per_recall": 1e3 * d["recall_s"] / max(d["recalls"], 1)}
             rows.append(row)
             llm.close()
         log(f"decode {model} {length}: " + ", ".join(f"{r['config']} {r['decode_tok_s']:.1f} tok/s" for r in rows[-len(runs):]))

@@ -428,7 +428,8 @@ def select_pages_native(scores: np.ndarray, n_head_kv: int, *, budget: int, page
 
 
 def recall_plan(att: np.ndarray, w_cache: np.ndarray, w_read: np.ndarray, ent: np.ndarray, true_pos: np.ndarray,
-                protect: np.ndarray, page_size: int, store_page: int, max_groups: int, att_scale: np.ndarray | None = None):
+                protect: np.ndarray, page_size: int, store_page: int, max_groups: int,
+                att_scale: np.ndarray | None = None):
     """The recall's swap decision in C (llama_entrokv_recall_plan) for S slots: att float32 [S, I, r, n_keep]
     (attention over the compacted cells), and on one scale per query the cache's total weight w_cache
     [S, I, r] and the read pages' tokens' weights w_read [S, I, r, n_read]; ent [S, n_read] (< 0: no token);
@@ -442,7 +443,8 @@ def recall_plan(att: np.ndarray, w_cache: np.ndarray, w_read: np.ndarray, ent: n
     S, I, r, n_keep = att.shape
     # rows of att may lie apart (a slice of a wider array, as the recall's attention is): passed with their stride
     ld = att.strides[-2] // 4 if att.dtype == np.float32 and att.strides[-1] == 4 else -1
-    dense = all(n == 1 or st == e for n, st, e in zip(att.shape[:3], att.strides[:3], (I * r * ld * 4, r * ld * 4, ld * 4)))
+    want = (I * r * ld * 4, r * ld * 4, ld * 4)
+    dense = all(n == 1 or st == e for n, st, e in zip(att.shape[:3], att.strides[:3], want))
     if ld < n_keep or not dense or att.size == 0:
         att, ld = np.ascontiguousarray(att, np.float32), n_keep
     wc = np.ascontiguousarray(w_cache, np.float32)
@@ -452,7 +454,8 @@ def recall_plan(att: np.ndarray, w_cache: np.ndarray, w_read: np.ndarray, ent: n
     ent = np.ascontiguousarray(ent, np.int32)
     tp = np.ascontiguousarray(true_pos, np.int32)
     prot = np.ascontiguousarray(protect, np.uint8)
-    if wc.shape != (S, I, r) or (sc is not None and sc.shape != (S, I, r)) or wr.shape != (S, I, r, n_read) or ent.shape != (S, n_read) or tp.shape != (S, n_keep):
+    if (wc.shape != (S, I, r) or (sc is not None and sc.shape != (S, I, r)) or wr.shape != (S, I, r, n_read)
+            or ent.shape != (S, n_read) or tp.shape != (S, n_keep)):
         raise ValueError(f"recall_plan: shapes att {att.shape}, w_cache {wc.shape}, w_read {wr.shape}, ent {ent.shape}, "
                          f"true_pos {tp.shape} do not agree")
     n_pages = n_read // max(int(store_page), 1)

@@ -343,13 +343,6 @@ def _segment_sums(x: np.ndarray, order: np.ndarray, starts: np.ndarray, n: np.nd
 SHORT = 64
 
 
-def _lse(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    m = np.max(x, axis=axis, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    with np.errstate(divide="ignore"):
-        return (m + np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))).squeeze(axis)
-
-
 class Recall:
     """Observes decoded tokens (``observe``, an Observation handler with window 1), swaps stored
     pages into the cache (``step`` every ``every`` tokens, ``turn`` at a new turn)."""
@@ -666,15 +659,15 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     """The swaps of slots ``ss`` (S of them), all at once.
 
     q [S, I, r, d] the queries; att [S, I, r, n_keep] their attention over the compacted cells (times
-    att_scale [S, I, r] when given), whose true positions are tp [S, n_keep]; lse_res [S, I, r] their log-sum-exp over the cache; protect
-    [eviction pages] the pages never displaced; P the eviction's page size; N the pages read per slot.
-    Per slot: the digests rank the stored pages by the mass their mean key would get (at most 1 per
+    att_scale [S, I, r] when given), whose true positions are tp [S, n_keep]; lse_res [S, I, r] their
+    log-sum-exp over the cache; protect [eviction pages] the pages never displaced; P the eviction's
+    page size; N the pages read per slot. Per slot: the digests rank the stored pages by the mass their mean key would get (at most 1 per
     query and head); the top N are read and scored exactly against the cache (their mass and the
     resident tokens' after renormalising over both); in that order, a page comes in while its mass
-    beats that of the least attended whole, unprotected eviction pages it displaces.
-    Returns (cells: per slot int32 [n_s], the cells to overwrite; si, e: the store entries coming
+    beats that of the least attended whole, unprotected eviction pages it displaces (this last part
+    in C: bindings.recall_plan). Returns (cells: per slot int32 [n_s], the cells to overwrite; si, e: the store entries coming
     in, in the same order; kf: their keys as floats)."""
-    S, _, r, _ = q.shape
+    S = q.shape[0]
     sl = np.arange(S)
     rows = slice(int(ss[0]), int(ss[0]) + S) if np.array_equal(ss, ss[0] + sl) else ss     # a run: views, no copies
     counts = st.counts[rows]

@@ -1,0 +1,103 @@
+"""Decode speed with recall, one version of the recall module against another, paired in one process.
+
+A full cache and two EntroKVLlama runtimes with recall on (today's defaults, 20% resident) read the same
+prompt (the essays, ``--length`` tokens); one runtime's recall runs the recall module of ``--against``
+(a commit: its ``entrokv_edge/runtime/recall.py``, executed on today's bindings), the other today's. Their
+decoding steps are then interleaved token by token (a busy machine slows all three alike), and the rows
+say each one's speed, the ratio to the full cache, whether both recall runtimes decoded the same tokens
+and moved the same number of tokens (a change that keeps every decision must), and their recalls' time.
+
+    python benchmarks/research/decode_ab.py --against 6cace8b [--model smollm2-135m] [--length 8192] [--tokens 64]
+
+Only for recall modules that today's bindings can run (the bindings they import must still exist).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import _harness as H  # noqa: E402
+import evidence  # noqa: E402
+import entrokv_edge as ek  # noqa: E402
+
+
+def recall_module(commit: str) -> types.ModuleType:
+    """The recall module of ``commit``, executed as a module of its own (relative imports made absolute)."""
+    src = subprocess.run(["git", "show", f"{commit}:entrokv_edge/runtime/recall.py"], cwd=HERE, check=True,
+                         capture_output=True, text=True).stdout
+    src = src.replace("from ..bindings", "from entrokv_edge.bindings")
+    mod = types.ModuleType(f"recall_{commit}")
+    sys.modules[mod.__name__] = mod
+    exec(compile(src, f"{commit}:entrokv_edge/runtime/recall.py", "exec"), mod.__dict__)
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", required=True, help="the commit whose recall module is compared")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", help="write the row here (JSON)")
+    args = ap.parse_args()
+    other = recall_module(args.against)
+    path = str(ek.models.model_path(args.model))
+    vocab = ek.llama_cpp.Llama(path, vocab_only=True, verbose=False)
+    toks = vocab.tokenize(b" ".join(f.read_bytes() for f in H.essays()[:40]))[: args.length]
+    del vocab
+    n_ctx = -(-(len(toks) + args.tokens + 64) // 256) * 256
+    threads = H.threads()
+
+    def runtime():
+        return ek.EntroKVLlama(path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, budget=0.2, recall=True, verbose=False,
+                               seed=0, n_threads=threads, n_threads_batch=threads)
+
+    runs = {"full": H.load(args.model, n_ctx), "against": runtime(), "today": runtime()}
+    runs["against"].recall.__class__ = other.Recall
+    for llm in runs.values():
+        llm.eval(toks)
+    before = {c: (llm.recall.n_recalls, llm.recall.recalled) for c, llm in runs.items() if c != "full"}
+    last = {c: int(np.argmax(H.logits(llm))) for c, llm in runs.items()}
+    spent, out = dict.fromkeys(runs, 0.0), {c: [] for c in runs}
+    recall_s = {c: 0.0 for c in before}
+    for c in before:                           # the recalls' own time while decoding
+        rc, step = runs[c].recall, runs[c].recall.step
+
+        def timed(llm, _step=step, _c=c):
+            t0 = time.perf_counter()
+            n = _step(llm)
+            recall_s[_c] += time.perf_counter() - t0
+            return n
+        rc.step = timed
+    for i in range(args.tokens):
+        k = i % len(runs)
+        for c in list(runs)[k:] + list(runs)[:k]:
+            t0 = time.perf_counter()
+            runs[c].eval([last[c]])
+            spent[c] += time.perf_counter() - t0
+            last[c] = int(np.argmax(H.logits(runs[c])))
+            out[c].append(last[c])
+    tok_s = {c: args.tokens / spent[c] for c in runs}
+    recalls = {c: (runs[c].recall.n_recalls - n, runs[c].recall.recalled - m) for c, (n, m) in before.items()}
+    row = {"model": args.model, "tokens": len(toks), "decoded": args.tokens, "against": args.against,
+           "commit": evidence.commit_id(), "tok_s": tok_s, "ratio": {c: tok_s[c] / tok_s["full"] for c in before},
+           "same_tokens": out["against"] == out["today"], "recalls": {c: r[0] for c, r in recalls.items()},
+           "moved": {c: r[1] for c, r in recalls.items()},
+           "ms_per_recall": {c: 1e3 * recall_s[c] / max(recalls[c][0], 1) for c in before}}
+    print(json.dumps(row, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
