@@ -324,9 +324,9 @@ def reference_decision(att, w_cache, w_read, ent, tp, protect, P, page, max_grou
     return taken, cells
 
 
-def _decide(att, w_cache, w_read, ent, tp, protect, P, page, G):
+def _decide(att, w_cache, w_read, ent, tp, protect, P, page, G, scale=None):
     from entrokv_edge.bindings import recall_plan
-    pages, n_pages, cells, n_cells = recall_plan(att, w_cache, w_read, ent, tp, protect, P, page, G)
+    pages, n_pages, cells, n_cells = recall_plan(att, w_cache, w_read, ent, tp, protect, P, page, G, scale)
     return [(pages[s, :n_pages[s]].tolist(), cells[s, :n_cells[s]].tolist()) for s in range(att.shape[0])]
 
 
@@ -350,6 +350,8 @@ def test_the_native_swap_decision_matches_a_plain_one():
     for G in (6, 40):
         got = _decide(att, w_cache, w_read, ent, tp, protect, P, page, G)
         assert got == _decide(np.ascontiguousarray(att), w_cache, w_read, ent, tp, protect, P, page, G)
+        scale = np.float32(2.0) ** rng.integers(-3, 4, size=(S, I, r)).astype(np.float32)     # exact in binary
+        assert got == _decide(att / scale[..., None], w_cache, w_read, ent, tp, protect, P, page, G, scale)
         for s in range(S):
             assert got[s] == reference_decision(att[s].astype(np.float64), w_cache[s].astype(np.float64),
                                                 w_read[s].astype(np.float64), ent[s], tp[s], protect, P, page, G), s
@@ -386,7 +388,11 @@ def test_the_native_swap_decision_refuses_bad_input():
     recall_plan(att, **ok)
     for bad, err in ((dict(w_cache=np.full((1, 1, 1), np.nan, np.float32)), EntroKVError),
                      (dict(w_read=np.full((1, 1, 1, 4), np.inf, np.float32)), EntroKVError),
-                     (dict(true_pos=np.array([[0, 1, -1, 3]], np.int32)), EntroKVError),
+                     (dict(true_pos=np.array([[0, 1, -1, 3]], np.int32)), ValueError),
+                     (dict(true_pos=np.array([[0, 1, 1, 3]], np.int32)), EntroKVError),          # held twice
+                     (dict(true_pos=np.array([[0, 1, 2, 2**31 - 1]], np.int32)), EntroKVError),  # no table that large
+                     (dict(true_pos=np.array([[0, 1, 2, 2**32]])), ValueError),                  # not an int32
+                     (dict(att_scale=np.full((1, 1, 1), np.nan, np.float32)), EntroKVError),
                      (dict(store_page=3), EntroKVError),
                      (dict(max_groups=-1), EntroKVError),
                      (dict(ent=np.arange(3)[None]), ValueError),

@@ -9,6 +9,9 @@ and moved the same number of tokens (a change that keeps every decision must), a
 
     python benchmarks/research/decode_ab.py --against 6cace8b [--model smollm2-135m] [--length 8192] [--tokens 64]
 
+Threads: ENTROKV_BENCH_THREADS (else the machine's cores). Each run adds its row to
+benchmarks/results/decode_ab.json (``--out``).
+
 Only for recall modules that today's bindings can run (the bindings they import must still exist).
 """
 from __future__ import annotations
@@ -48,7 +51,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--out", help="write the row here (JSON)")
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "decode_ab.json"),
+                    help="add the row to this file (JSON: a list of rows)")
     args = ap.parse_args()
     other = recall_module(args.against)
     path = str(ek.models.model_path(args.model))
@@ -90,13 +94,15 @@ def main() -> None:
     tok_s = {c: args.tokens / spent[c] for c in runs}
     recalls = {c: (runs[c].recall.n_recalls - n, runs[c].recall.recalled - m) for c, (n, m) in before.items()}
     row = {"model": args.model, "tokens": len(toks), "decoded": args.tokens, "against": args.against,
-           "commit": evidence.commit_id(), "tok_s": tok_s, "ratio": {c: tok_s[c] / tok_s["full"] for c in before},
+           "commit": evidence.commit_id(), "threads": threads, "tok_s": tok_s,
+           "ratio": {c: tok_s[c] / tok_s["full"] for c in before},
            "same_tokens": out["against"] == out["today"], "recalls": {c: r[0] for c, r in recalls.items()},
            "moved": {c: r[1] for c, r in recalls.items()},
            "ms_per_recall": {c: 1e3 * recall_s[c] / max(recalls[c][0], 1) for c in before}}
     print(json.dumps(row, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
+    out_path = Path(args.out)
+    rows = json.loads(out_path.read_text()) if out_path.exists() else []
+    out_path.write_text(json.dumps(rows + [row], indent=1) + "\n")
 
 
 if __name__ == "__main__":

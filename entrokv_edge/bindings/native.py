@@ -445,14 +445,17 @@ def recall_plan(att: np.ndarray, w_cache: np.ndarray, w_read: np.ndarray, ent: n
     ld = att.strides[-2] // 4 if att.dtype == np.float32 and att.strides[-1] == 4 else -1
     want = (I * r * ld * 4, r * ld * 4, ld * 4)
     dense = all(n == 1 or st == e for n, st, e in zip(att.shape[:3], att.strides[:3], want))
-    if ld < n_keep or not dense or att.size == 0:
+    if ld < n_keep or not dense or att.size == 0 or att.ctypes.data % 4:
         att, ld = np.ascontiguousarray(att, np.float32), n_keep
     wc = np.ascontiguousarray(w_cache, np.float32)
     wr = np.ascontiguousarray(w_read, np.float32)
     sc = None if att_scale is None else np.ascontiguousarray(att_scale, np.float32)
     n_read = wr.shape[-1] if wr.ndim == 4 else -1
-    ent = np.ascontiguousarray(ent, np.int32)
-    tp = np.ascontiguousarray(true_pos, np.int32)
+    ent = np.where(np.asarray(ent) >= 0, 0, -1).astype(np.int32)        # only whether a token is there counts
+    tp = np.asarray(true_pos)
+    if tp.size and (tp.min() < 0 or tp.max() >= 2**31):
+        raise ValueError(f"recall_plan: true positions must be in 0 .. 2^31 - 1, got {tp.min()} .. {tp.max()}")
+    tp = np.ascontiguousarray(tp, np.int32)
     prot = np.ascontiguousarray(protect, np.uint8)
     if (wc.shape != (S, I, r) or (sc is not None and sc.shape != (S, I, r)) or wr.shape != (S, I, r, n_read)
             or ent.shape != (S, n_read) or tp.shape != (S, n_keep)):

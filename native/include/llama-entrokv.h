@@ -265,7 +265,7 @@ LLAMA_API int32_t llama_entrokv_select_pages(
         size_t n_out);
 
 // The swap decision of a recall (the recall tier of entrokv_edge/runtime/recall.py) for n_s
-// slots at once; arrays are dense and slot-major. Per slot, for its n_tok x r queries (the
+// slots at once; arrays are slot-major and dense (att's rows: att_ld apart). Per slot, for its n_tok x r queries (the
 // recall's tokens x the slot's query heads), on one scale per query (say exp(x - shift)):
 //   att     [n_tok, r, n_keep] : their attention over the compacted cells (normalised over the cache),
 //                                a row every att_ld (>= n_keep) floats; times att_scale [n_tok, r]
@@ -273,7 +273,7 @@ LLAMA_API int32_t llama_entrokv_select_pages(
 //   w_cache [n_tok, r]         : the cache's total weight (finite, >= 0)
 //   w_read  [n_tok, r, n_read] : the weights of the tokens of the stored pages read (store_page each)
 //   ent     [n_read]           : >= 0 where a read token exists (its store entry), < 0 where not
-//   true_pos [n_keep]          : the compacted cells' true positions (>= 0, distinct)
+//   true_pos [n_keep]          : the compacted cells' true positions (distinct, in 0 .. 2^26 - 1)
 // protect [n_protect]: eviction pages (of page_size true positions) never displaced; store_page must
 // be a multiple of page_size; max_groups: at most this many eviction pages are displaced per slot.
 // The read pages and the resident tokens are scored together (each query renormalised over both):
@@ -283,7 +283,8 @@ LLAMA_API int32_t llama_entrokv_select_pages(
 // page_size) of them for as long as the page's mass is larger than theirs. Out, per slot s:
 // out_pages[s * n_read / store_page ..] the read pages taken, in that order (out_n_pages[s] of
 // them); out_cells[s * n_read ..] the cells they displace, page after page (out_n_cells[s]).
-// Reads only its inputs; a weight that is not finite, or a query with no weight, is refused.
+// Reads only its inputs; a weight that is not finite, a query with no weight, or a true position
+// out of range or held twice by a slot is refused (LLAMA_ENTROKV_ERR_INVALID_ARG).
 LLAMA_API int32_t llama_entrokv_recall_plan(
         int32_t n_s, int32_t n_tok, int32_t r, int32_t n_keep,
         const float * att, int64_t att_ld, const float * att_scale, const float * w_cache, const float * w_read, const int32_t * ent, int32_t n_read,

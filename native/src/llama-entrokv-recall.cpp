@@ -23,7 +23,9 @@
 #include <utility>
 #include <vector>
 
-extern "C" int32_t llama_entrokv_recall_plan(
+static constexpr int32_t MAX_POS = 1 << 26;     // true positions beyond a context's (64 Mi tokens) are refused
+
+static int32_t recall_plan(
         int32_t n_s, int32_t n_tok, int32_t r, int32_t n_keep,
         const float * att, int64_t att_ld, const float * att_scale, const float * w_cache, const float * w_read, const int32_t * ent, int32_t n_read,
         const int32_t * true_pos, const uint8_t * protect, int32_t n_protect,
@@ -43,10 +45,10 @@ extern "C" int32_t llama_entrokv_recall_plan(
     }
     const int32_t nq = n_tok * r;
     int32_t shift = 0;                                  // page_size is usually a power of two: a shift, not a division
-    while ((1 << shift) < P) {
+    while (((int64_t) 1 << shift) < P) {
         ++shift;
     }
-    const bool pow2 = (1 << shift) == P;
+    const bool pow2 = ((int64_t) 1 << shift) == P;
     const int32_t n_pages = n_read / page;
     const double inf = std::numeric_limits<double>::infinity();
     for (size_t i = 0; i < (size_t) n_s * nq; ++i) {
@@ -56,14 +58,15 @@ extern "C" int32_t llama_entrokv_recall_plan(
         }
     }
     for (size_t i = 0; i < (size_t) n_s * n_keep; ++i) {
-        if (true_pos[i] < 0) {
-            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "recall_plan: true_pos[%zu] = %d", i, true_pos[i]);
+        if (true_pos[i] < 0 || true_pos[i] >= MAX_POS) {      // the tables below are indexed by true position
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "recall_plan: true_pos[%zu] = %d is outside 0..%d",
+                    i, true_pos[i], MAX_POS - 1);
         }
     }
 
     std::vector<double> total(nq), page_score(n_pages);
     std::vector<float> tok((size_t) r * n_read), res(n_keep), acc(n_keep), f(nq);
-    std::vector<int32_t> m(n_pages), po(n_pages), cell_of, touched;
+    std::vector<int32_t> m(n_pages), po(n_pages), cell_of, owner, touched;
     std::vector<std::pair<double, int32_t>> order;     // (mass, eviction page) of the displaceable pages
     std::vector<double> gsum;
     std::vector<int32_t> gcnt;
@@ -143,6 +146,7 @@ extern "C" int32_t llama_entrokv_recall_plan(
             gsum.resize(n_gp, 0.0);
             gcnt.resize(n_gp, 0);
             cell_of.resize(n_gp * P, -1);
+            owner.resize(n_gp * P, -1);
         }
         touched.clear();
         for (int32_t c = 0; c < n_keep; ++c) {
@@ -151,11 +155,19 @@ extern "C" int32_t llama_entrokv_recall_plan(
                 touched.push_back(g);
             }
             gsum[g] += res[c];
+            if (owner[tp[c]] == s) {
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "recall_plan: slot %d holds true position %d twice",
+                        s, tp[c]);
+            }
+            owner[tp[c]] = s;
             cell_of[tp[c]] = c;     // every position of a whole page is set here: no reset needed
         }
         // the least attended whole, unprotected groups, at most max_groups of them (ties: lower page first)
         order.clear();
         for (const int32_t g : touched) {
+            if (!std::isfinite(gsum[g])) {      // a NaN would break the order below
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "recall_plan: slot %d: the attention is not finite", s);
+            }
             if (gcnt[g] == P && !(g < n_protect && protect[g])) {
                 order.emplace_back(gsum[g], g);
             }
@@ -199,5 +211,19 @@ extern "C" int32_t llama_entrokv_recall_plan(
             gcnt[g] = 0;
         }
     }
-    return LLAMA_ENTROKV_OK;
+    return llama_entrokv_ok();
+}
+
+extern "C" int32_t llama_entrokv_recall_plan(
+        int32_t n_s, int32_t n_tok, int32_t r, int32_t n_keep,
+        const float * att, int64_t att_ld, const float * att_scale, const float * w_cache, const float * w_read,
+        const int32_t * ent, int32_t n_read, const int32_t * true_pos, const uint8_t * protect, int32_t n_protect,
+        int32_t page_size, int32_t store_page, int32_t max_groups,
+        int32_t * out_pages, int32_t * out_n_pages, int32_t * out_cells, int32_t * out_n_cells) {
+    try {
+        return recall_plan(n_s, n_tok, r, n_keep, att, att_ld, att_scale, w_cache, w_read, ent, n_read, true_pos, protect,
+                n_protect, page_size, store_page, max_groups, out_pages, out_n_pages, out_cells, out_n_cells);
+    } catch (const std::exception & e) {        // an allocation that failed
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "recall_plan failed: %s", e.what());
+    }
 }
