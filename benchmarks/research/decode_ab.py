@@ -70,19 +70,10 @@ def main() -> None:
     runs["against"].recall.__class__ = other.Recall
     for llm in runs.values():
         llm.eval(toks)
-    before = {c: (llm.recall.n_recalls, llm.recall.recalled) for c, llm in runs.items() if c != "full"}
+    # the runtime's own recall counters after the prompt: the decode's are the difference
+    before = {c: dict(llm.kv_report()["recall"]) for c, llm in runs.items() if c != "full"}
     last = {c: int(np.argmax(H.logits(llm))) for c, llm in runs.items()}
     spent, out = dict.fromkeys(runs, 0.0), {c: [] for c in runs}
-    recall_s = {c: 0.0 for c in before}
-    for c in before:                           # the recalls' own time while decoding
-        rc, step = runs[c].recall, runs[c].recall.step
-
-        def timed(llm, _step=step, _c=c):
-            t0 = time.perf_counter()
-            n = _step(llm)
-            recall_s[_c] += time.perf_counter() - t0
-            return n
-        rc.step = timed
     for i in range(args.tokens):
         k = i % len(runs)
         for c in list(runs)[k:] + list(runs)[:k]:
@@ -92,13 +83,14 @@ def main() -> None:
             last[c] = int(np.argmax(H.logits(runs[c])))
             out[c].append(last[c])
     tok_s = {c: args.tokens / spent[c] for c in runs}
-    recalls = {c: (runs[c].recall.n_recalls - n, runs[c].recall.recalled - m) for c, (n, m) in before.items()}
+    d = {c: {k: runs[c].kv_report()["recall"][k] - v[k] for k in ("recalls", "recalled_tokens", "recall_s")}
+         for c, v in before.items()}
     row = {"model": args.model, "tokens": len(toks), "decoded": args.tokens, "against": args.against,
            "commit": evidence.commit_id(), "threads": threads, "tok_s": tok_s,
            "ratio": {c: tok_s[c] / tok_s["full"] for c in before},
-           "same_tokens": out["against"] == out["today"], "recalls": {c: r[0] for c, r in recalls.items()},
-           "moved": {c: r[1] for c, r in recalls.items()},
-           "ms_per_recall": {c: 1e3 * recall_s[c] / max(recalls[c][0], 1) for c in before}}
+           "same_tokens": out["against"] == out["today"], "recalls": {c: x["recalls"] for c, x in d.items()},
+           "moved": {c: x["recalled_tokens"] for c, x in d.items()},
+           "ms_per_recall": {c: 1e3 * x["recall_s"] / max(x["recalls"], 1) for c, x in d.items()}}
     print(json.dumps(row, indent=1))
     out_path = Path(args.out)
     rows = json.loads(out_path.read_text()) if out_path.exists() else []
