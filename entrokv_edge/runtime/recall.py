@@ -47,6 +47,7 @@ class RecallConfig:
     turn_pages: int = 128
     turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
     hold_draft: bool = True               # decoding recalls also see the turn's draft queries not yet decoded
+    wait_draft: bool = False              # research (round 8): no decoding recall until the answer passes the draft
 
     def __post_init__(self):
         if self.directory is not None:
@@ -59,8 +60,9 @@ class RecallConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"recall {name} must be an integer in {lo}..{hi}, got {v!r}")
-        if not isinstance(self.hold_draft, bool):
-            raise ValueError(f"recall hold_draft must be True or False, got {self.hold_draft!r}")
+        for name in ("hold_draft", "wait_draft"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"recall {name} must be True or False, got {getattr(self, name)!r}")
 
 
 def recall_config(value) -> RecallConfig | None:
@@ -458,7 +460,7 @@ class Recall:
         self.store = store
         self.n_keep, self.n_at_eviction = int(info[0]), int(info[1])
         self.steps = [(q[i], int(qpos[i])) for i in range(n_steps)]
-        if held is not None and self.config.hold_draft:
+        if held is not None and (self.config.hold_draft or self.config.wait_draft):
             self.held = held
 
     # --- generation -----------------------------------------------------------------
@@ -468,6 +470,8 @@ class Recall:
         queries and position."""
         if view.queries is None or self.n_keep == 0:
             return
+        if self.config.wait_draft and self.held is not None and view.pos_last <= self.held[1][-1]:
+            return                  # wait_draft: the turn's draft already recalled for this position
         self.steps.append((view.queries[:, -1].copy(), int(view.pos_last)))
 
     def due(self) -> bool:
@@ -483,16 +487,17 @@ class Recall:
         if self.held is not None:          # hold_draft: the draft's queries for the answer tokens not decoded yet
             hq, hpos = self.held
             ahead = hpos > qpos.max()
-            if ahead.any():
-                q, qpos = np.concatenate([q, hq[:, ahead]], 1), np.concatenate([qpos, hpos[ahead]])
-            else:
+            if not ahead.any():
                 self.held = None
+            elif self.config.hold_draft:
+                q, qpos = np.concatenate([q, hq[:, ahead]], 1), np.concatenate([qpos, hpos[ahead]])
         return self._exact(llm, q, qpos, self.config.pages)
 
     def hold(self, queries: np.ndarray, pos_last: int) -> None:
         """hold_draft: keep a turn's draft queries (float32 [L, k, H, d], the last at ``pos_last``) for the
-        decoding recalls of the answer's first k tokens."""
-        if self.config.hold_draft:
+        decoding recalls of the answer's first k tokens (wait_draft: their positions, which no decoding
+        recall serves)."""
+        if self.config.hold_draft or self.config.wait_draft:
             k = queries.shape[1]
             self.held = (queries, pos_last - k + 1 + np.arange(k))
 
