@@ -208,6 +208,38 @@ def test_a_held_draft_joins_the_decoding_recalls_until_the_answer_passes_it(mode
     assert c.recall.held is None
 
 
+def test_wait_draft_leaves_the_drafted_positions_to_the_turns_recall(model, tmp_path):
+    """wait_draft (a research option): no decoding recall while the answer is within the turn's draft
+    positions, and their tokens' queries are not kept; after them, every ``every`` tokens as usual; a
+    session saved within the draft keeps waiting when loaded."""
+    from entrokv_edge.runtime import recall as R
+    cfg = {**RECALL, "turn_draft": 6, "wait_draft": True, "hold_draft": False}
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall=cfg, **SETTINGS)
+    llm.eval(prompt(200, 4))
+    decode(llm, 5)
+    n = llm.n_tokens + 10
+    llm.eval(prompt(10, 5))                                   # a turn: its recall, then the draft's
+    assert np.array_equal(llm.recall.held[1], np.arange(n, n + 6))
+    seen = []
+    exact = R.Recall._exact
+    R.Recall._exact = lambda self, l, q, qpos, N: (seen.append(qpos.copy()), exact(self, l, q, qpos, N))[1]
+    try:
+        decode(llm, 3)
+        llm.save_session(tmp_path / "s.entrokv")
+        b = ek.EntroKVLlama(model, n_ctx=256, recall=cfg, **SETTINGS)
+        b.load_session(tmp_path / "s.entrokv")
+        decode(llm, 7)
+        decode(b, 7)
+    finally:
+        R.Recall._exact = exact
+    # the answer's tokens at n .. n + 5 are the drafted positions: the first recall follows n + 6 and n + 7
+    assert [q.tolist() for q in seen] == [[n + 6, n + 7], [n + 8, n + 9]] * 2
+    assert llm.recall.held is None and b.recall.held is None
+    hold = ek.EntroKVLlama(model, n_ctx=256, recall={**cfg, "wait_draft": False}, **SETTINGS)
+    hold.load_session(tmp_path / "s.entrokv")                 # neither option: nothing held, recalls as usual
+    assert hold.recall.held is None
+
+
 def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm2):
     """The issue's example: a ~600-token document with a password in the first turn, a 256-token
     budget, the question as the second turn. The question's recall brings the password's tokens
