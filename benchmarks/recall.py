@@ -284,6 +284,23 @@ def fidelity_rows(models, g: dict, commit: str, n_qa: int, n_code: int, configs,
     return rows
 
 
+def interleaved_decode(runs: dict, tokens: int) -> tuple[dict, dict]:
+    """Greedy decoding of ``tokens`` tokens on every runtime of ``runs`` (name: runtime, each holding its
+    prompt), their steps interleaved token by token, each round starting with another one (a busy machine
+    slows them all alike): (seconds spent in each runtime's steps, its tokens)."""
+    last = {c: int(np.argmax(H.logits(llm))) for c, llm in runs.items()}
+    spent, out = dict.fromkeys(runs, 0.0), {c: [] for c in runs}
+    for i in range(tokens):
+        k = i % len(runs)
+        for c in list(runs)[k:] + list(runs)[:k]:
+            t0 = time.perf_counter()
+            runs[c].eval([last[c]])
+            spent[c] += time.perf_counter() - t0
+            last[c] = int(np.argmax(H.logits(runs[c])))
+            out[c].append(last[c])
+    return spent, out
+
+
 def decode_rows(models, length: int, tokens: int, commit: str, configs=("evicted", "recall"), log=print) -> list[dict]:
     """Decode speed at ``length`` tokens: a full cache and EntroKVLlama at 20% in each of ``configs``,
     in one process, their decoding steps interleaved token by token (a busy machine slows them all
@@ -300,15 +317,7 @@ def decode_rows(models, length: int, tokens: int, commit: str, configs=("evicted
             llm.eval(toks)
         # the recall counters after the prompt (its own eviction's recall included): the decode's are the difference
         before = {c: dict(llm.kv_report()["recall"]) for c, llm in runs.items() if c != "full"}
-        last = {c: int(np.argmax(H.logits(llm))) for c, llm in runs.items()}
-        spent = dict.fromkeys(runs, 0.0)
-        for i in range(tokens):
-            k = i % len(runs)
-            for c in (list(runs)[k:] + list(runs)[:k]):                # each step starts with another one
-                t0 = time.perf_counter()
-                runs[c].eval([last[c]])
-                spent[c] += time.perf_counter() - t0
-                last[c] = int(np.argmax(H.logits(runs[c])))
+        spent, _ = interleaved_decode(runs, tokens)
         for c, llm in runs.items():
             row = {"model": model, "split": "decode", "config": c, "tokens": length, "decoded": tokens,
                    "decode_tok_s": tokens / spent[c], "commit": commit}

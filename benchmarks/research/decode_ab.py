@@ -20,17 +20,15 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
-
-import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import _harness as H  # noqa: E402
 import evidence  # noqa: E402
+from recall import interleaved_decode  # noqa: E402
 import entrokv_edge as ek  # noqa: E402
 
 
@@ -72,16 +70,7 @@ def main() -> None:
         llm.eval(toks)
     # the runtime's own recall counters after the prompt: the decode's are the difference
     before = {c: dict(llm.kv_report()["recall"]) for c, llm in runs.items() if c != "full"}
-    last = {c: int(np.argmax(H.logits(llm))) for c, llm in runs.items()}
-    spent, out = dict.fromkeys(runs, 0.0), {c: [] for c in runs}
-    for i in range(args.tokens):
-        k = i % len(runs)
-        for c in list(runs)[k:] + list(runs)[:k]:
-            t0 = time.perf_counter()
-            runs[c].eval([last[c]])
-            spent[c] += time.perf_counter() - t0
-            last[c] = int(np.argmax(H.logits(runs[c])))
-            out[c].append(last[c])
+    spent, out = interleaved_decode(runs, args.tokens)
     tok_s = {c: args.tokens / spent[c] for c in runs}
     d = {c: {k: runs[c].kv_report()["recall"][k] - v[k] for k in ("recalls", "recalled_tokens", "recall_s")}
          for c, v in before.items()}
