@@ -116,6 +116,20 @@ rerun at this commit for the pairs), on the follow-up part's tune split and the 
 Gemma 3. It goes on to the held-out split (three models) only if it has more right answers than recall over
 both models, loses no model, and keeps the fidelity mean KL below head-independent eviction's on both; it
 is adopted only if the held-out split gives it more right answers over the three models and no model fewer.
+Its rows (tune, right answers of 18, SmolLM2 / Gemma 3; commit 87867f3): full 9 / 15, recall 2 / 15,
+recall-wait 3 / 12. It loses Gemma 3: it does not go on.
+
+Round 9 (the rule written before its rows): benchmarks/research/followup_bound.py reads each held-out
+question with everything before it as one prompt, evicted once after it to 20% (no recall): on SmolLM2 that
+eviction keeps every one of the full cache's right answers on the documents read so far, where recall keeps
+1 of 7. A turn's queries are computed on the cache as the last eviction left it, before any recall: the
+question's deeper layers did not see what it asks about. RecallConfig's research option ``turn_requery``:
+after the turn's recall, the turn's observed window is evaluated again on the recalled cache and its new
+queries drive a second recall (then the draft, as before). recall-requery against round 8's recall rows (commit
+87867f3, the same code path), on the follow-up part's tune split and the fidelity part, SmolLM2 and Gemma 3. It goes on to the
+held-out split only if it has more right answers than recall over both models, loses no model, and keeps the
+fidelity mean KL below head-independent eviction's on both; it is adopted only if the held-out split gives it
+more right answers over the three models and no model fewer.
 """
 from __future__ import annotations
 
@@ -150,7 +164,7 @@ CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, 
            "recall-turn128": {"turn_pages": 128}, "recall-draft8": {"turn_draft": 8},
            "recall-draft16": {"turn_draft": 16}, "recall-draft0": {"turn_draft": 0},
            "recall-every8": {"every": 8}, "recall-every16": {"every": 16}, "recall-hold": {"hold_draft": True},
-           "recall-wait": {"wait_draft": True}}
+           "recall-wait": {"wait_draft": True}, "recall-requery": {"turn_requery": True}}
 # rounds 2, 4 and 5's options (turn_consensus; swap_floor; spread) were not adopted and left the code after
 # them: their configurations (recall-cmean/cmax; recall-floor1/4; recall-spread1/2) run from commit c2cb138
 

@@ -380,6 +380,9 @@ class EntroKVLlama(llama_cpp.Llama):
             if ws is not None and ws.queries is not None and ws.pos_last == self.n_tokens - 1:
                 self._turn_scores = None
                 moved = self._timed_recall(self.recall.turn, self, ws.queries, ws.pos_last)
+                if moved and self.recall.config.turn_requery:
+                    again = self._requery(ws.queries.shape[1])
+                    moved = moved if again is None else again
                 if moved:       # the answer's first token must come from the cache as recalled
                     t0 = time.perf_counter()
                     self._refresh_last()
@@ -426,6 +429,23 @@ class EntroKVLlama(llama_cpp.Llama):
         if moved:
             self._refresh_last()
         self.recall_s += time.perf_counter() - t0
+
+    def _requery(self, w: int) -> int | None:
+        """Research option ``turn_requery``: the turn's last ``w`` tokens (its observed window) evaluated again
+        on the cache as the turn's recall left it, their new queries driving a second recall; the tokens that
+        recall moved, or None when the window reaches into the compacted cells (nothing done)."""
+        n = self.n_tokens
+        if w < 1 or n - w < self.recall.n_at_eviction:
+            return None
+        t0 = time.perf_counter()
+        if not self._ctx.kv_cache_seq_rm(-1, n - w, -1):
+            raise RuntimeError("llama.cpp refused to remove the turn's window for its re-evaluation")
+        self.n_tokens = n - w
+        with Observation(self, w, queries_only=True) as obs:
+            super().eval([int(t) for t in self.input_ids[n - w: n]])
+        self.recall_s += time.perf_counter() - t0
+        ws = obs.last
+        return self._timed_recall(self.recall.turn, self, ws.queries, ws.pos_last)
 
     def _last_logits(self) -> np.ndarray:
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab(),))

@@ -48,6 +48,8 @@ class RecallConfig:
     turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
     hold_draft: bool = True               # decoding recalls also see the turn's draft queries not yet decoded
     wait_draft: bool = False              # research (round 8): no decoding recall until the answer passes the draft
+    turn_requery: bool = False            # research (round 9): the turn's window evaluated again after its recall,
+    #                                       its new queries driving a second recall (before the draft)
 
     def __post_init__(self):
         if self.directory is not None:
@@ -60,7 +62,7 @@ class RecallConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"recall {name} must be an integer in {lo}..{hi}, got {v!r}")
-        for name in ("hold_draft", "wait_draft"):
+        for name in ("hold_draft", "wait_draft", "turn_requery"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"recall {name} must be True or False, got {getattr(self, name)!r}")
 
