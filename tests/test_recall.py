@@ -240,6 +240,41 @@ def test_wait_draft_leaves_the_drafted_positions_to_the_turns_recall(model, tmp_
     assert hold.recall.held is None
 
 
+def test_turn_requery_evaluates_the_window_again_on_the_recalled_cache(model):
+    """turn_requery (a research option): after a turn's recall that moves tokens, the turn's window is
+    evaluated again on the recalled cache and its new queries drive a second recall. Layer 0's queries do
+    not depend on the cache (the same both times); deeper layers' do. The cache keeps every position once
+    and the last logits are the last token's on the cache as finally recalled."""
+    import llama_cpp
+    from entrokv_edge.runtime import recall as R
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 0, "turn_requery": True}, **SETTINGS)
+    llm.eval(prompt(200, 4))
+    decode(llm, 5)
+    n0, recalls = llm.n_tokens, llm.kv_report()["recall"]["recalls"]
+    seen = []
+    exact = R.Recall._exact
+    R.Recall._exact = lambda self, l, q, qpos, N: (seen.append((q.copy(), qpos.copy())), exact(self, l, q, qpos, N))[1]
+    turn = prompt(10, 5)                                      # shorter than the window: observed whole
+    try:
+        llm.eval(turn)
+    finally:
+        R.Recall._exact = exact
+    assert len(seen) == 2 and llm.kv_report()["recall"]["recalls"] == recalls + 2
+    (q1, p1), (q2, p2) = seen
+    assert np.array_equal(p1, np.arange(n0, n0 + 10)) and np.array_equal(p1, p2)
+    assert np.allclose(q1[0], q2[0], atol=1e-5) and not np.allclose(q1[1:], q2[1:], atol=1e-3)
+    tp, st = ek.true_positions(llm), llm.recall.store
+    assert llm.n_tokens == n0 + 10 and ek.geometry(llm).n_used == 64 + 5 + 10
+    for s in range(tp.shape[0]):
+        held = np.concatenate([tp[s][tp[s] >= 0], st.pos[s]])
+        assert np.array_equal(np.sort(held), np.arange(n0 + 10)), f"slot {s}"
+    last = logits(llm).copy()
+    assert llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens - 1, -1)
+    llm.n_tokens -= 1
+    llama_cpp.Llama.eval(llm, [turn[-1]])
+    assert np.array_equal(last, logits(llm))
+
+
 def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm2):
     """The issue's example: a ~600-token document with a password in the first turn, a 256-token
     budget, the question as the second turn. The question's recall brings the password's tokens
