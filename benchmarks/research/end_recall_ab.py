@@ -5,6 +5,11 @@ eviction (the behaviour before commit 7f6ad00, when the draft's scores dropped t
 reproduced here by dropping them again, in this process only). "guided+recall" is today's code.
 
     python benchmarks/research/end_recall_ab.py [long_prompt.py's arguments]
+    python benchmarks/research/end_recall_ab.py --recall-parts [benchmarks/recall.py's arguments]
+
+With ``--recall-parts`` it runs benchmarks/recall.py's parts instead, with one more configuration,
+"recall-noend" (the defaults without that recall): issue 23's judges, where the document is a prompt
+that ends in its own eviction and the question comes after it.
 
 The rule (written before the rows; long_prompt.py's docstring, round 4). With ``--parts fidelity-tune``
 every recall configuration runs both ways, the rows without that recall named "...-noend".
@@ -75,5 +80,26 @@ def fidelity_rows(models, *args, configs=(), **kwargs):
 
 LP.fidelity_rows = fidelity_rows
 
+
+def recall_main(argv) -> int:
+    """benchmarks/recall.py with "recall-noend" (its fidelity and follow-up parts run it without the recall
+    after a prompt's own final eviction)."""
+    import recall as R
+    R.CONFIGS["recall-noend"] = True
+    for name in ("fidelity_rows", "followup_rows"):
+        def run(*args, _f=getattr(R, name)):
+            *head, configs = args           # both are called with the configurations last
+            rows = []
+            for i, c in enumerate(configs):     # one at a time; the reference rows ("full", ...) from the first
+                _NOEND["on"] = c == "recall-noend"
+                rows += [r for r in _f(*head, [c]) if i == 0 or r["config"] == c]
+            _NOEND["on"] = False
+            return rows
+        setattr(R, name, run)
+    return R.main(argv)
+
+
 if __name__ == "__main__":
+    if "--recall-parts" in sys.argv:
+        sys.exit(recall_main([a for a in sys.argv[1:] if a != "--recall-parts"]))
     sys.exit(LP.main())
