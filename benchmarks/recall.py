@@ -164,9 +164,10 @@ CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, 
            "recall-turn128": {"turn_pages": 128}, "recall-draft8": {"turn_draft": 8},
            "recall-draft16": {"turn_draft": 16}, "recall-draft0": {"turn_draft": 0},
            "recall-every8": {"every": 8}, "recall-every16": {"every": 16}, "recall-hold": {"hold_draft": True},
-           "recall-wait": {"wait_draft": True}, "recall-requery": {"turn_requery": True}}
+           "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False}}
 # rounds 2, 4 and 5's options (turn_consensus; swap_floor; spread) were not adopted and left the code after
-# them: their configurations (recall-cmean/cmax; recall-floor1/4; recall-spread1/2) run from commit c2cb138
+# them: their configurations (recall-cmean/cmax; recall-floor1/4; recall-spread1/2) run from commit c2cb138;
+# round 8's (wait_draft: recall-wait) from commit 599d4fb
 
 
 def _runtime(model: str, n_ctx: int, recall):

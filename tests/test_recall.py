@@ -134,7 +134,7 @@ def test_sessions_keep_the_store_and_go_on_identically(model, tmp_path):
 def test_recall_settings_are_checked(model):
     for bad in (dict(every=0), dict(pages=-1), dict(page_size=2.5), dict(nope=1), dict(directory="/no/such/dir"),
                 dict(turn_draft=-1), dict(turn_draft=65), dict(turn_draft=True),
-                dict(turn_pages=4097), dict(every=True), dict(hold_draft=1)):
+                dict(turn_pages=4097), dict(every=True), dict(hold_draft=1), dict(turn_requery=None)):
         with pytest.raises((ValueError, TypeError)):
             ek.EntroKVLlama(model, n_ctx=256, recall=bad, **SETTINGS)
     with pytest.raises(TypeError):
@@ -159,7 +159,7 @@ def test_the_answer_starts_from_the_cache_as_recalled_with_or_without_a_turn_dra
         rep = llm.kv_report()["recall"]
         g, tp, st = ek.geometry(llm), ek.true_positions(llm), llm.recall.store
         assert llm.n_tokens == n0 + 10 and g.n_used == 64 + 5 + 10        # the draft's cells are gone
-        assert rep["drafted_tokens"] == rep0["drafted_tokens"] + k and rep["recalls"] == recalls + 1 + (k > 0)
+        assert rep["drafted_tokens"] == rep0["drafted_tokens"] + k and rep["recalls"] == recalls + 2 + (k > 0)    # the turn's, its requery's, the draft's
         for s in range(g.n_slots):                           # every position once, in the cache or the store
             held = np.concatenate([tp[s][tp[s] >= 0], st.pos[s]])
             assert np.array_equal(np.sort(held), np.arange(n0 + 10)), f"slot {s}"
@@ -208,46 +208,14 @@ def test_a_held_draft_joins_the_decoding_recalls_until_the_answer_passes_it(mode
     assert c.recall.held is None
 
 
-def test_wait_draft_leaves_the_drafted_positions_to_the_turns_recall(model, tmp_path):
-    """wait_draft (a research option): no decoding recall while the answer is within the turn's draft
-    positions, and their tokens' queries are not kept; after them, every ``every`` tokens as usual; a
-    session saved within the draft keeps waiting when loaded."""
-    from entrokv_edge.runtime import recall as R
-    cfg = {**RECALL, "turn_draft": 6, "wait_draft": True, "hold_draft": False}
-    llm = ek.EntroKVLlama(model, n_ctx=256, recall=cfg, **SETTINGS)
-    llm.eval(prompt(200, 4))
-    decode(llm, 5)
-    n = llm.n_tokens + 10
-    llm.eval(prompt(10, 5))                                   # a turn: its recall, then the draft's
-    assert np.array_equal(llm.recall.held[1], np.arange(n, n + 6))
-    seen = []
-    exact = R.Recall._exact
-    R.Recall._exact = lambda self, l, q, qpos, N: (seen.append(qpos.copy()), exact(self, l, q, qpos, N))[1]
-    try:
-        decode(llm, 3)
-        llm.save_session(tmp_path / "s.entrokv")
-        b = ek.EntroKVLlama(model, n_ctx=256, recall=cfg, **SETTINGS)
-        b.load_session(tmp_path / "s.entrokv")
-        decode(llm, 7)
-        decode(b, 7)
-    finally:
-        R.Recall._exact = exact
-    # the answer's tokens at n .. n + 5 are the drafted positions: the first recall follows n + 6 and n + 7
-    assert [q.tolist() for q in seen] == [[n + 6, n + 7], [n + 8, n + 9]] * 2
-    assert llm.recall.held is None and b.recall.held is None
-    hold = ek.EntroKVLlama(model, n_ctx=256, recall={**cfg, "wait_draft": False}, **SETTINGS)
-    hold.load_session(tmp_path / "s.entrokv")                 # neither option: nothing held, recalls as usual
-    assert hold.recall.held is None
-
-
 def test_turn_requery_evaluates_the_window_again_on_the_recalled_cache(model):
-    """turn_requery (a research option): after a turn's recall that moves tokens, the turn's window is
+    """turn_requery (on by default): after a turn's recall that moves tokens, the turn's window is
     evaluated again on the recalled cache and its new queries drive a second recall. Layer 0's queries do
     not depend on the cache (the same both times); deeper layers' do. The cache keeps every position once
     and the last logits are the last token's on the cache as finally recalled."""
     import llama_cpp
     from entrokv_edge.runtime import recall as R
-    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 0, "turn_requery": True}, **SETTINGS)
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 0}, **SETTINGS)
     llm.eval(prompt(200, 4))
     decode(llm, 5)
     n0, recalls = llm.n_tokens, llm.kv_report()["recall"]["recalls"]

@@ -431,9 +431,10 @@ class EntroKVLlama(llama_cpp.Llama):
         self.recall_s += time.perf_counter() - t0
 
     def _requery(self, w: int) -> int | None:
-        """Research option ``turn_requery``: the turn's last ``w`` tokens (its observed window) evaluated again
-        on the cache as the turn's recall left it, their new queries driving a second recall; the tokens that
-        recall moved, or None when the window reaches into the compacted cells (nothing done)."""
+        """After a turn's recall that moved tokens (option ``turn_requery``): the turn's last ``w`` tokens (its
+        observed window, whose queries were computed on the cache before the recall) evaluated again on the
+        cache as recalled, their new queries driving a second recall; the tokens that recall moved, or None
+        when the window reaches into the compacted cells (a prompt that ends in its own eviction: nothing done)."""
         n = self.n_tokens
         if w < 1 or n - w < self.recall.n_at_eviction:
             return None

@@ -11,15 +11,18 @@ per slot:
   score the cache exactly (every held key read once), the digests rank the stored pages by the
   attention mass their mean key would get (relative to the cache's log-sum-exp), and the top
   ``pages`` pages are read and scored exactly;
-- at a new turn, the same with the turn's observed queries and ``turn_pages`` pages;
+- at a new turn, the same with the turn's observed queries and ``turn_pages`` pages; those queries were
+  computed on the cache before the recall, so the turn's window is then evaluated again on the recalled
+  cache and its new queries recall once more (``turn_requery``); then the answer's first tokens are
+  drafted and drive a last recall (``turn_draft``);
 - a page comes back when its mass beats the mass of the resident tokens it displaces (the least
   attended whole eviction pages, never a protected sink or recent page), which go to the store in
   its place.
 
 Every group buffer keeps exactly its budget (UOR = 1); positions stay correct, since keys keep
 their RoPE and the true-position table follows every swap. The design and its figures (mean
-key digest, pages of 16, every = 4, pages = 8, turn_pages = 128): docs/research.md, "Recall for
-evicted pages".
+key digest, pages of 16, every = 4, pages = 8, turn_pages = 128, the draft, the requery): docs/research.md,
+"Recall for evicted pages".
 """
 from __future__ import annotations
 
@@ -47,9 +50,7 @@ class RecallConfig:
     turn_pages: int = 128
     turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
     hold_draft: bool = True               # decoding recalls also see the turn's draft queries not yet decoded
-    wait_draft: bool = False              # research (round 8): no decoding recall until the answer passes the draft
-    turn_requery: bool = False            # research (round 9): the turn's window evaluated again after its recall,
-    #                                       its new queries driving a second recall (before the draft)
+    turn_requery: bool = True             # the turn's window evaluated again after its recall, driving a second one
 
     def __post_init__(self):
         if self.directory is not None:
@@ -62,7 +63,7 @@ class RecallConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"recall {name} must be an integer in {lo}..{hi}, got {v!r}")
-        for name in ("hold_draft", "wait_draft", "turn_requery"):
+        for name in ("hold_draft", "turn_requery"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"recall {name} must be True or False, got {getattr(self, name)!r}")
 
@@ -462,7 +463,7 @@ class Recall:
         self.store = store
         self.n_keep, self.n_at_eviction = int(info[0]), int(info[1])
         self.steps = [(q[i], int(qpos[i])) for i in range(n_steps)]
-        if held is not None and (self.config.hold_draft or self.config.wait_draft):
+        if held is not None and self.config.hold_draft:
             self.held = held
 
     # --- generation -----------------------------------------------------------------
@@ -472,8 +473,6 @@ class Recall:
         queries and position."""
         if view.queries is None or self.n_keep == 0:
             return
-        if self.config.wait_draft and self.held is not None and view.pos_last <= self.held[1][-1]:
-            return                  # wait_draft: the turn's draft already recalled for this position
         self.steps.append((view.queries[:, -1].copy(), int(view.pos_last)))
 
     def due(self) -> bool:
@@ -489,17 +488,16 @@ class Recall:
         if self.held is not None:          # hold_draft: the draft's queries for the answer tokens not decoded yet
             hq, hpos = self.held
             ahead = hpos > qpos.max()
-            if not ahead.any():
-                self.held = None
-            elif self.config.hold_draft:
+            if ahead.any():
                 q, qpos = np.concatenate([q, hq[:, ahead]], 1), np.concatenate([qpos, hpos[ahead]])
+            else:
+                self.held = None
         return self._exact(llm, q, qpos, self.config.pages)
 
     def hold(self, queries: np.ndarray, pos_last: int) -> None:
         """hold_draft: keep a turn's draft queries (float32 [L, k, H, d], the last at ``pos_last``) for the
-        decoding recalls of the answer's first k tokens (wait_draft: their positions, which no decoding
-        recall serves)."""
-        if self.config.hold_draft or self.config.wait_draft:
+        decoding recalls of the answer's first k tokens."""
+        if self.config.hold_draft:
             k = queries.shape[1]
             self.held = (queries, pos_last - k + 1 + np.arange(k))
 
