@@ -130,6 +130,11 @@ queries drive a second recall (then the draft, as before). recall-requery agains
 held-out split only if it has more right answers than recall over both models, loses no model, and keeps the
 fidelity mean KL below head-independent eviction's on both; it is adopted only if the held-out split gives it
 more right answers over the three models and no model fewer.
+Its rows: tune (commit 599d4fb) 5 / 17 right (recall 2 / 15; pairs 3-0, 3-1), fidelity 0.116 / 0.035 (head-
+independent 0.125 / 0.099; recall 0.132 / 0.037): it went on. Held out (commit 925c7fb; right of the full
+cache's 7 / 18 / 17, SmolLM2 / Gemma 3 / Qwen2.5): recall (its recall-r4 rows) 1 / 15 / 16, recall-requery
+5 / 17 / 17 (6 / 17 / 17 right in all; questions won-lost 5-0, 2-0, 1-0): adopted, ``turn_requery`` is on by
+default since commit dad22e4, and the ``recall`` configuration includes it in rows from then on.
 """
 from __future__ import annotations
 

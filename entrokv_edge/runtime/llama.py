@@ -446,6 +446,8 @@ class EntroKVLlama(llama_cpp.Llama):
             super().eval([int(t) for t in self.input_ids[n - w: n]])
         self.recall_s += time.perf_counter() - t0
         ws = obs.last
+        if ws is None or ws.queries is None:    # not observed (a ubatch shorter than the window): no second recall
+            return None
         return self._timed_recall(self.recall.turn, self, ws.queries, ws.pos_last)
 
     def _last_logits(self) -> np.ndarray:
