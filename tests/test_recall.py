@@ -35,6 +35,25 @@ def decode(llm, n):
         llm.eval([int(np.argmax(logits(llm)))])
 
 
+def assert_each_position_once(llm, n):
+    """Every slot holds each of the positions 0..n-1 once: in the cache or in the recall's store."""
+    tp, st = ek.true_positions(llm), llm.recall.store
+    for s in range(tp.shape[0]):
+        held = np.concatenate([tp[s][tp[s] >= 0], st.pos[s]])
+        assert np.array_equal(np.sort(held), np.arange(n)), f"slot {s}"
+
+
+def last_logits_are_fresh(llm, token) -> bool:
+    """Whether the last logits equal the last token (``token``) removed and evaluated again by
+    llama-cpp-python itself on the cache as it is (the oracle of a re-evaluation)."""
+    import llama_cpp
+    seen = logits(llm).copy()
+    assert llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens - 1, -1)
+    llm.n_tokens -= 1
+    llama_cpp.Llama.eval(llm, [token])
+    return np.array_equal(seen, logits(llm))
+
+
 @pytest.mark.parametrize("type_k,where", [(0, "memory"), (1, "memory"), (8, "memory"), (1, "file")],
                          ids=["f32", "f16", "q8_0", "f16-file"])
 def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, where, tmp_path):
@@ -98,12 +117,8 @@ def test_generation_with_recall_goes_on_across_evictions(model, where, tmp_path)
                           **SETTINGS)
     llm.eval(prompt(600, 2))
     decode(llm, 400)                             # past the cache several times
-    g, st = ek.geometry(llm), llm.recall.store
     assert llm.n_evictions >= 3 and llm.kv_report()["recall"]["recalled_tokens"] > 0
-    tp = ek.true_positions(llm)
-    for s in range(g.n_slots):                   # every position is held once: in the cache or in the store
-        held = np.concatenate([tp[s][tp[s] >= 0], st.pos[s]])
-        assert np.array_equal(np.sort(held), np.arange(1000)), f"slot {s}"
+    assert_each_position_once(llm, 1000)
 
 
 def test_sessions_keep_the_store_and_go_on_identically(model, tmp_path):
@@ -146,7 +161,6 @@ def test_the_answer_starts_from_the_cache_as_recalled_with_or_without_a_turn_dra
     """A turn's recall that moves tokens leaves the turn's last logits as its last token evaluated on the
     cache as recalled (not the ones computed before the recall). With turn_draft, the answer's first
     tokens are drafted, drive a second recall and leave again."""
-    import llama_cpp
     fresh = {}
     for k in (0, 6):
         llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": k}, **SETTINGS)
@@ -157,18 +171,11 @@ def test_the_answer_starts_from_the_cache_as_recalled_with_or_without_a_turn_dra
         turn = prompt(10, 5)
         llm.eval(turn)                                       # shorter than the window: a turn, recalled for
         rep = llm.kv_report()["recall"]
-        g, tp, st = ek.geometry(llm), ek.true_positions(llm), llm.recall.store
-        assert llm.n_tokens == n0 + 10 and g.n_used == 64 + 5 + 10        # the draft's cells are gone
-        assert rep["drafted_tokens"] == rep0["drafted_tokens"] + k and rep["recalls"] == recalls + 2 + (k > 0)    # the turn's, its requery's, the draft's
-        for s in range(g.n_slots):                           # every position once, in the cache or the store
-            held = np.concatenate([tp[s][tp[s] >= 0], st.pos[s]])
-            assert np.array_equal(np.sort(held), np.arange(n0 + 10)), f"slot {s}"
-        seen = logits(llm).copy()
-        # the oracle: the last token removed and evaluated again by llama-cpp-python itself
-        assert llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens - 1, -1)
-        llm.n_tokens -= 1
-        llama_cpp.Llama.eval(llm, [turn[-1]])
-        fresh[k] = np.array_equal(seen, logits(llm))
+        assert llm.n_tokens == n0 + 10 and ek.geometry(llm).n_used == 64 + 5 + 10        # the draft's cells are gone
+        # the turn's recall, its requery's, the draft's
+        assert rep["drafted_tokens"] == rep0["drafted_tokens"] + k and rep["recalls"] == recalls + 2 + (k > 0)
+        assert_each_position_once(llm, n0 + 10)
+        fresh[k] = last_logits_are_fresh(llm, turn[-1])
         assert rep["recalled_tokens"] > 0
     assert fresh == {0: True, 6: True}
 
@@ -213,7 +220,6 @@ def test_turn_requery_evaluates_the_window_again_on_the_recalled_cache(model):
     evaluated again on the recalled cache and its new queries drive a second recall. Layer 0's queries do
     not depend on the cache (the same both times); deeper layers' do. The cache keeps every position once
     and the last logits are the last token's on the cache as finally recalled."""
-    import llama_cpp
     from entrokv_edge.runtime import recall as R
     llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 0}, **SETTINGS)
     llm.eval(prompt(200, 4))
@@ -231,16 +237,9 @@ def test_turn_requery_evaluates_the_window_again_on_the_recalled_cache(model):
     (q1, p1), (q2, p2) = seen
     assert np.array_equal(p1, np.arange(n0, n0 + 10)) and np.array_equal(p1, p2)
     assert np.allclose(q1[0], q2[0], atol=1e-5) and not np.allclose(q1[1:], q2[1:], atol=1e-3)
-    tp, st = ek.true_positions(llm), llm.recall.store
     assert llm.n_tokens == n0 + 10 and ek.geometry(llm).n_used == 64 + 5 + 10
-    for s in range(tp.shape[0]):
-        held = np.concatenate([tp[s][tp[s] >= 0], st.pos[s]])
-        assert np.array_equal(np.sort(held), np.arange(n0 + 10)), f"slot {s}"
-    last = logits(llm).copy()
-    assert llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens - 1, -1)
-    llm.n_tokens -= 1
-    llama_cpp.Llama.eval(llm, [turn[-1]])
-    assert np.array_equal(last, logits(llm))
+    assert_each_position_once(llm, n0 + 10)
+    assert last_logits_are_fresh(llm, turn[-1])
 
 
 def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm2):
@@ -555,9 +554,6 @@ def test_a_prompt_read_in_pieces_ends_with_its_questions_recall(model, lookahead
     rep = llm.kv_report()
     assert rep["evictions"] >= 3 and rep["recall"]["recalls"] == 1 and rep["recall"]["recalled_tokens"] > 0
     assert (rep["drafted_tokens"] > 0) == (lookahead > 0)
-    tp, st = ek.true_positions(llm), llm.recall.store
-    for s in range(tp.shape[0]):
-        held = np.concatenate([tp[s][tp[s] >= 0], st.pos[s]])
-        assert np.array_equal(np.sort(held), np.arange(700)), f"slot {s}"
+    assert_each_position_once(llm, 700)
     decode(llm, 6)
     assert llm.n_tokens == 706
