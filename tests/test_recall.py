@@ -240,6 +240,41 @@ def test_turn_requery_evaluates_the_window_again_on_the_recalled_cache(model):
     assert llm.n_tokens == n0 + 10 and ek.geometry(llm).n_used == 64 + 5 + 10
     assert_each_position_once(llm, n0 + 10)
     assert last_logits_are_fresh(llm, turn[-1])
+    # off: the turn's one recall
+    off = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 0, "turn_requery": False}, **SETTINGS)
+    off.eval(prompt(200, 4))
+    decode(off, 5)
+    before = off.kv_report()["recall"]["recalls"]
+    off.eval(turn)
+    assert off.kv_report()["recall"]["recalls"] == before + 1
+
+
+def test_a_failed_requery_puts_the_turns_window_back(model):
+    """If the window's re-evaluation fails, the error reaches the caller and the window is in the cache
+    again (evaluated once more, unobserved): no token of the turn is lost."""
+    import llama_cpp
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 0}, **SETTINGS)
+    llm.eval(prompt(200, 4))
+    decode(llm, 5)
+    n0, turn = llm.n_tokens, prompt(10, 5)
+    real, calls = llama_cpp.Llama.eval, []
+
+    def failing(self, tokens):
+        calls.append(len(tokens))
+        if len(calls) == 2:             # the first: the turn itself; the second: its window again
+            raise RuntimeError("decode failed")
+        return real(self, tokens)
+    llama_cpp.Llama.eval = failing
+    try:
+        with pytest.raises(RuntimeError, match="decode failed"):
+            llm.eval(turn)
+    finally:
+        llama_cpp.Llama.eval = real
+    assert calls == [10, 10, 10] and llm.n_tokens == n0 + 10
+    assert ek.geometry(llm).n_used == 64 + 5 + 10
+    assert_each_position_once(llm, n0 + 10)
+    decode(llm, 3)                      # and generation goes on from there
+    assert llm.n_tokens == n0 + 13
 
 
 def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm2):

@@ -7,9 +7,10 @@ reproduced here by dropping them again, in this process only). "guided+recall" i
     python benchmarks/research/end_recall_ab.py [long_prompt.py's arguments]
     python benchmarks/research/end_recall_ab.py --recall-parts [benchmarks/recall.py's arguments]
 
-With ``--recall-parts`` it runs benchmarks/recall.py's parts instead, with one more configuration,
-"recall-noend" (the defaults without that recall): issue 23's judges, where the document is a prompt
-that ends in its own eviction and the question comes after it.
+With ``--recall-parts`` it runs benchmarks/recall.py's follow-up and fidelity parts instead, where the
+document is a prompt that ends in its own eviction and the question comes after it; their ``--configs``
+may then name "recall-noend" (the defaults without that recall). Not the decode part, whose configurations
+run interleaved in one process.
 
 The rule (written before the rows; long_prompt.py's docstring, round 4). With ``--parts fidelity-tune``
 every recall configuration runs both ways, the rows without that recall named "...-noend".
@@ -96,6 +97,9 @@ def recall_main(argv) -> int:
             _NOEND["on"] = False
             return rows
         setattr(R, name, run)
+    if any(a == "decode" or a.startswith("decode,") or ",decode" in a for a in argv):
+        raise SystemExit("end_recall_ab.py --recall-parts: the decode part interleaves its configurations in one "
+                         "process; run it with benchmarks/recall.py")
     return R.main(argv)
 
 

@@ -48,10 +48,11 @@ def rows_for(model: str, g: dict, split: str, commit: str, log=print) -> list[di
                 before = (copy.deepcopy(chat.msgs), chat.text)       # the transcript up to this question
                 ans = chat.ask(f["question"], g["answer_tokens"])
                 ev.reset()
+                n_ev = ev.kv_report()["evictions"]
                 oracle = R.Chat(ev)
                 oracle.msgs, oracle.text = before
                 got = oracle.ask(f["question"], g["answer_tokens"])
-                m = ev.last_eviction.metrics if ev.last_eviction is not None else {}
+                m = ev.last_eviction.metrics if ev.kv_report()["evictions"] > n_ev else {}
                 base = {"model": model, "split": split, "doc": i, "fact": j, "depth": R.DEPTHS[j],
                         "number": f["number"], "commit": commit}
                 rows.append({**base, "config": "full", "right": f["number"] in ans, "answer": ans.strip()})
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", type=int, default=R.FULL["docs"])
     ap.add_argument("--out", default=str(HERE.parent / "results" / "followup_bound.json"))
     args = ap.parse_args(argv)
+    if args.docs < 1:
+        ap.error("--docs must be >= 1")
     g = {**R.FULL, "docs": args.docs}
     commit, t0 = evidence.commit_id(), time.perf_counter()
     rows = [r for m in args.models for r in rows_for(m, g, args.split, commit)]

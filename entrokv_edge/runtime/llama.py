@@ -439,11 +439,21 @@ class EntroKVLlama(llama_cpp.Llama):
         if w < 1 or n - w < self.recall.n_at_eviction:
             return None
         t0 = time.perf_counter()
-        if not self._ctx.kv_cache_seq_rm(-1, n - w, -1):
-            raise RuntimeError("llama.cpp refused to remove the turn's window for its re-evaluation")
-        self.n_tokens = n - w
-        with Observation(self, w, queries_only=True) as obs:
-            super().eval([int(t) for t in self.input_ids[n - w: n]])
+        window = [int(t) for t in self.input_ids[n - w: n]]
+        obs = Observation(self, w, queries_only=True).start()
+        try:
+            try:
+                if not self._ctx.kv_cache_seq_rm(-1, n - w, -1):
+                    raise RuntimeError("llama.cpp refused to remove the turn's window for its re-evaluation")
+                self.n_tokens = n - w
+                super().eval(window)
+            finally:
+                obs.stop()
+        except BaseException:
+            if self.n_tokens < n:           # the window is not all back: put it back, unobserved, then the error
+                self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+                super().eval(window[self.n_tokens - (n - w):])
+            raise
         self.recall_s += time.perf_counter() - t0
         ws = obs.last
         if ws is None or ws.queries is None:    # not observed (a ubatch shorter than the window): no second recall
