@@ -85,6 +85,9 @@ LP.fidelity_rows = fidelity_rows
 def recall_main(argv) -> int:
     """benchmarks/recall.py with "recall-noend" (its fidelity and follow-up parts run it without the recall
     after a prompt's own final eviction)."""
+    if any(a == "decode" or a.startswith("decode,") or ",decode" in a for a in argv):
+        raise SystemExit("end_recall_ab.py --recall-parts: the decode part interleaves its configurations in one "
+                         "process; run it with benchmarks/recall.py")
     import recall as R
     R.CONFIGS["recall-noend"] = True
     for name in ("fidelity_rows", "followup_rows"):
@@ -97,9 +100,6 @@ def recall_main(argv) -> int:
             _NOEND["on"] = False
             return rows
         setattr(R, name, run)
-    if any(a == "decode" or a.startswith("decode,") or ",decode" in a for a in argv):
-        raise SystemExit("end_recall_ab.py --recall-parts: the decode part interleaves its configurations in one "
-                         "process; run it with benchmarks/recall.py")
     return R.main(argv)
 
 

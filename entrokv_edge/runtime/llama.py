@@ -435,30 +435,37 @@ class EntroKVLlama(llama_cpp.Llama):
         observed window, whose queries were computed on the cache before the recall) evaluated again on the
         cache as recalled, their new queries driving a second recall; the tokens that recall moved, or None
         when the window reaches into the compacted cells (a prompt that ends in its own eviction: nothing done)."""
-        n = self.n_tokens
-        if w < 1 or n - w < self.recall.n_at_eviction:
+        if w < 1 or self.n_tokens - w < self.recall.n_at_eviction:
             return None
         t0 = time.perf_counter()
-        window = [int(t) for t in self.input_ids[n - w: n]]
-        obs = Observation(self, w, queries_only=True).start()
-        try:
-            try:
-                if not self._ctx.kv_cache_seq_rm(-1, n - w, -1):
-                    raise RuntimeError("llama.cpp refused to remove the turn's window for its re-evaluation")
-                self.n_tokens = n - w
-                super().eval(window)
-            finally:
-                obs.stop()
-        except BaseException:
-            if self.n_tokens < n:           # the window is not all back: put it back, unobserved, then the error
-                self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
-                super().eval(window[self.n_tokens - (n - w):])
-            raise
+        ws = self._eval_tail_again(w, observe=True)
         self.recall_s += time.perf_counter() - t0
-        ws = obs.last
         if ws is None or ws.queries is None:    # not observed (a ubatch shorter than the window): no second recall
             return None
         return self._timed_recall(self.recall.turn, self, ws.queries, ws.pos_last)
+
+    def _eval_tail_again(self, w: int, observe: bool = False) -> WindowScores | None:
+        """The last ``w`` tokens removed from the cache and evaluated again on it as it is now (a recall changed
+        it); with ``observe``, their queries observed and returned. If that fails, the tokens are put back
+        (unobserved) before the error goes on: no token of the turn is lost."""
+        n = self.n_tokens
+        tail = [int(t) for t in self.input_ids[n - w: n]]
+        obs = Observation(self, w, queries_only=True).start() if observe else None
+        try:
+            try:
+                if not self._ctx.kv_cache_seq_rm(-1, n - w, -1):
+                    raise RuntimeError("llama.cpp refused to remove the turn's last tokens for their re-evaluation")
+                self.n_tokens = n - w
+                super().eval(tail)
+            finally:
+                if obs is not None:
+                    obs.stop()
+        except BaseException:
+            if self.n_tokens < n:
+                self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+                super().eval(tail[self.n_tokens - (n - w):])
+            raise
+        return obs.last if obs is not None else None
 
     def _last_logits(self) -> np.ndarray:
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab(),))
@@ -467,13 +474,8 @@ class EntroKVLlama(llama_cpp.Llama):
         """The last token evaluated again on the cache as it is now (a recall changed it): its keys, values
         and logits then follow the recalled pages. Not when the last eviction came after it (a prompt that
         ends in its own eviction): it is one of the compacted cells, and its logits saw the whole cache."""
-        n = self.n_tokens
-        if n <= self.recall.n_at_eviction:
-            return
-        if not self._ctx.kv_cache_seq_rm(-1, n - 1, -1):
-            raise RuntimeError("llama.cpp refused to remove the turn's last token for its re-evaluation")
-        self.n_tokens = n - 1
-        super().eval([int(self.input_ids[n - 1])])
+        if self.n_tokens > self.recall.n_at_eviction:
+            self._eval_tail_again(1)
 
     def _decode_with_recall(self, tokens: list[int]) -> None:
         """One decoded token, its queries observed; every ``every`` tokens, a recall."""
