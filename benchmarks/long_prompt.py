@@ -73,6 +73,20 @@ Round 4's outcome: on fidelity-tune the recall after the final eviction lowered 
 the guided read keeps 18 (0 wins, 2 losses, Gemma 3 at 16k through 1024 cells); on the fidelity judge,
 SmolLM2, mean KL 0.102 against the guided read's 0.077 and one eviction's 0.049. Recall does not close
 issue 22's gaps (docs/research.md, "Documents bigger than the cache with recall").
+
+Round 5, a consensus at the guided evictions (EvictionConfig.guide_consensus: the share of each buffer's free
+pages that every (layer, group) keeps alike, as the option consensus does, at the evictions between pieces
+only; the final eviction keeps consensus = 0). The diagnosis behind it: where the guide finds a fact in a few
+buffers only, the others evict it, and the question read at the end cannot bring it back. Explored on
+fidelity-tune (SmolLM2, 8 prompts, one thread, scratch copies of the option; guided without it 0.181):
+shares 0.1 / 0.25 / 0.5 gave 0.161 (5-3 against the guided read) / 0.143 (6-2) / 0.178 (3-5); a running mean
+of each token's guide scores over the evictions it survived gave 0.157 (5-2). The rule, written before the
+tune needles ran: the share 0.25 becomes the default if it also keeps at least as many of the full cache's
+right answers as the guided read on the tune needles (8k, SmolLM2 and Gemma 3, 1024 and 2048 cells);
+heldout and the fidelity judge then run once with it, paired against "guide-consensus0" (the guided read
+before this round) where those rows exist.
+Tune needles: both reads kept the same answers (SmolLM2 1 of the full cache's 2 at each cache, Gemma 3 all 6
+reads; SmolLM2's share-0.25 rows from a scratch copy of the option), so guide_consensus = 0.25 is the default.
 """
 from __future__ import annotations
 
@@ -101,6 +115,10 @@ CONFIGS = {
     "guide+draft8": dict(guide_draft=8),
     "guide-nodraft": dict(guide_draft=0),
     "guide+draft24": dict(guide_draft=24),
+    # the guided evictions without the consensus round 5 gave them (the guided read before round 5)
+    "guide-consensus0": dict(guide_consensus=0.0),
+    "guide-consensus0.1": dict(guide_consensus=0.1),
+    "guide-consensus0.5": dict(guide_consensus=0.5),
     # the defaults with the guide given to eval: the question (where it comes first) and the prompt's end
     "guide=question+end": dict(guide_from="question"),
     # the defaults with the recall tier on (RecallConfig's defaults, chosen on issue 23's own prompts): what the

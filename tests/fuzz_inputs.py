@@ -153,7 +153,7 @@ OPTIONS = {"--kv-cells": VALUES, "--budget": VALUES, "--threads": VALUES + ["513
 # the research settings, through --set KEY=VALUE (an unknown key and a bare key among them)
 SETTINGS = {"page_size": VALUES, "window": VALUES, "sinks": VALUES, "recent": VALUES, "tau": VALUES, "pool": VALUES,
             "spread": VALUES, "decay": VALUES, "value_power": VALUES, "lookahead": VALUES, "lookahead_share": VALUES,
-            "consensus": VALUES, "guide": VALUES, "guide_share": VALUES, "guide_draft": VALUES,
+            "consensus": VALUES, "guide": VALUES, "guide_share": VALUES, "guide_draft": VALUES, "guide_consensus": VALUES,
             "entropy_region": ["sinks", "evictable", "none"], "head_pool": ["rank", "max", "sum"],
             "policy": ["mean-pool", "snapkv", "h2o", "best"], "pages": ["4"], "budget": VALUES}
 FILES = {"empty": b"", "blank": b" \n\t\n", "binary": bytes(range(256)), "latin-1": "caf\u00e9 cr\u00e8me".encode("latin-1"),

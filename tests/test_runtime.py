@@ -170,25 +170,77 @@ def test_call_stop_sequences_and_sampling_work_as_in_llama_cpp(smollm2):
 
 
 @pytest.mark.parametrize("guide_draft", [0, 4])
-def test_a_long_prompt_leaves_room_for_the_drafts_its_evictions_are_scored_with(model, guide_draft):
-    """A prompt read in pieces: every guided eviction drafts guide_draft tokens after the guide, and the
-    eviction after the prompt its whole lookahead draft (the pieces leave them the cells); the drafts
-    leave nothing behind, and the budget holds."""
+def test_a_long_prompt_leaves_room_for_the_drafts_its_evictions_are_scored_with(model, guide_draft, monkeypatch):
+    """A prompt read in pieces: every guided eviction drafts after the guide with room for guide_draft tokens,
+    and the eviction after the prompt with room for its whole lookahead draft (the pieces leave them the cells;
+    a draft may still stop early at an end-of-generation token); the drafts leave nothing behind, and the
+    budget holds."""
+    from entrokv_edge.controller import controller as ctl_mod, guide as guide_mod, lookahead as la_mod
+    drafts = []
+
+    def spy(llm, scores, k, *a, **kw):
+        room = la_mod.draft_room(llm, ek.geometry(llm))
+        out = la_mod.lookahead_scores(llm, scores, k, *a, **kw)
+        stats = a[1] if len(a) > 1 else kw.get("stats")
+        drafts.append((k, room, stats["drafted"]))
+        return out
+    monkeypatch.setattr(guide_mod, "lookahead_scores", spy)
+    monkeypatch.setattr(ctl_mod, "lookahead_scores", spy)
     cfg = dict(SETTINGS, lookahead=8, guide=16, guide_draft=guide_draft)
     llm = ek.EntroKVLlama(model, n_ctx=256, **cfg)
     toks = prompt(1000, seed=3)
     llm.eval(toks)
     rep = llm.kv_report()
     assert rep["evictions"] >= 4 and rep["guided_evictions"] == rep["evictions"] - 1
-    assert rep["drafted_tokens"] == 8 + guide_draft * rep["guided_evictions"]
+    ks = [k for k, _, _ in drafts]
+    assert ks == [guide_draft] * rep["guided_evictions"] * bool(guide_draft) + [8]
+    assert all(room >= k for k, room, _ in drafts) and rep["drafted_tokens"] == sum(d for _, _, d in drafts)
+    assert sum(d for _, _, d in drafts) >= sum(ks) // 2         # (drafts that stop at once would test nothing)
     assert llm.n_tokens == 1000 and ek.geometry(llm).pos_max == 999 and rep["kept_tokens"] == 64
     for n in range(900, 1000, 7):                         # wherever the last pieces fall, every eviction between
         llm.reset()                                       # pieces is guided and drafts (none runs on stale scores)
+        drafts.clear()
         before = llm.kv_report()
         llm.eval(toks[:n])
         rep = llm.kv_report()
         ev, guided = (rep[k] - before[k] for k in ("evictions", "guided_evictions"))
-        assert guided == ev - 1 and rep["drafted_tokens"] - before["drafted_tokens"] == 8 + guide_draft * guided, n
+        assert guided == ev - 1 and [k for k, _, _ in drafts] == [guide_draft] * guided * bool(guide_draft) + [8], n
+        assert all(room >= k for k, room, _ in drafts), n
+        assert rep["drafted_tokens"] - before["drafted_tokens"] == sum(d for _, _, d in drafts), n
     fits = ek.EntroKVLlama(model, n_ctx=256, **cfg)       # a prompt the cache holds: read in one piece, as before
     fits.eval(toks[:180])
     assert fits.kv_report()["evictions"] == 1 and fits.kv_report()["guided_evictions"] == 0
+
+def test_guided_evictions_keep_pages_common_to_every_buffer_and_the_last_eviction_its_own_consensus(model, monkeypatch):
+    """guide_consensus: each guided eviction between pieces gives that share of every (layer, group) buffer's free
+    pages to pages all buffers keep (the consensus); the eviction after the prompt keeps ``consensus``. Without
+    it the buffers share fewer pages than that."""
+    seen = []
+    evict = ek.EvictionController.evict
+
+    def spy(self, llm, scores, **kw):
+        res = evict(self, llm, scores, **kw)
+        seen.append((self.config.consensus, res.selection))
+        return res
+    monkeypatch.setattr(ek.EvictionController, "evict", spy)
+
+    def shared_pages(guide_consensus):
+        """Per guided eviction: (unprotected pages every buffer keeps, free pages per buffer: budget minus protected)."""
+        seen.clear()
+        llm = ek.EntroKVLlama(model, n_ctx=256, **dict(SETTINGS, guide=16, guide_consensus=guide_consensus))
+        llm.eval(prompt(1000, seed=5))
+        rep = llm.kv_report()
+        assert rep["guided_evictions"] == rep["evictions"] - 1 >= 4 and len(seen) == rep["evictions"]
+        assert [c for c, _ in seen] == [guide_consensus] * (len(seen) - 1) + [llm.config.consensus]
+        out = []
+        for _, sel in seen[:-1]:
+            pages = sel.pages.reshape(-1, sel.pages.shape[-1])
+            prot = set(llm.config.protected((int(pages.max()) + 1) * llm.config.page_size))
+            shared = set(pages[0].tolist()).intersection(*(set(p.tolist()) for p in pages[1:])) - prot
+            out.append((len(shared), sel.n_budget - len(prot)))
+        return out
+
+    with_share = shared_pages(0.5)
+    assert all(shared >= int(0.5 * free) for shared, free in with_share)
+    without = shared_pages(0.0)
+    assert sum(shared < int(0.5 * free) for shared, free in without) >= len(without) // 2

@@ -360,7 +360,9 @@ def test_edge_options_are_validated_and_resolved():
              2, "head-independent"),
             ("lookahead", (-1, 65, True, 4.0, "8", 2.5), r"lookahead must be an integer in \[0, 64\]", 64, "page-entrokv"),
             ("lookahead_share", (-0.1, 1.01, True, "0.5", float("nan"), float("inf")),
-             r"lookahead_share must be a number in \[0, 1\]", 1, "mean-pool")):
+             r"lookahead_share must be a number in \[0, 1\]", 1, "mean-pool"),
+            ("guide_consensus", (-0.1, 1.0, True, "0.25", float("nan"), float("inf")),
+             r"guide_consensus must be a share in \[0, 1\)", 0.5, "page-entrokv")):
         for bad in bads:
             with pytest.raises(ValueError, match=msg):
                 EvictionConfig(policy="entrokv-edge", **{name: bad})

@@ -13,11 +13,12 @@ POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # added lookahead 24; round 7: page_size 2, pool 3, decay 0.7, lookahead_share 0.85; round 1's: page_size 16,
 # pool 7, rank)
 EDGE_DEFAULTS = {"page_size": 2, "pool": 3, "spread": 24, "decay": 0.7, "consensus": 0.0, "entropy_region": "sinks",
-                 "head_pool": "rank", "value_power": 0.0, "lookahead": 24, "lookahead_share": 0.85}
+                 "head_pool": "rank", "value_power": 0.0, "lookahead": 24, "lookahead_share": 0.85,
+                 "guide_consensus": 0.25}     # benchmarks/long_prompt.py, round 5
 OFF = {"page_size": 16, "pool": 0, "spread": 0, "decay": 1.0, "consensus": 0.0, "entropy_region": "sinks",
-       "head_pool": "entropy", "value_power": 0.0, "lookahead": 0, "lookahead_share": 0.0}
+       "head_pool": "entropy", "value_power": 0.0, "lookahead": 0, "lookahead_share": 0.0, "guide_consensus": 0.0}
 EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool", "value_power", "lookahead",
-                "lookahead_share")
+                "lookahead_share", "guide_consensus")
 MAX_LOOKAHEAD = 64
 # the budget when none is given: a fraction of the prompt for the controller alone (EvictionController); EntroKVLlama,
 # which knows its cache, keeps what the cache can hold with room for new tokens instead (runtime/llama.py)
@@ -85,6 +86,9 @@ class EvictionConfig:
     guide_draft    : k in [0, MAX_LOOKAHEAD]: tokens drafted greedily after the guide, whose attention
                      joins the guide's as lookahead's joins the window after a prompt (weighed by
                      lookahead_share); 0: none
+    guide_consensus: the consensus share (as ``consensus``) of each guided eviction between pieces, an
+                     entrokv-edge option: a fact the guide finds in some buffers is kept in all of
+                     them before the question itself is read (the final eviction keeps ``consensus``)
     """
 
     budget: float | int | None = None
@@ -107,6 +111,7 @@ class EvictionConfig:
     guide: int = 32
     guide_share: float = 1.0
     guide_draft: int = 8                # chosen on the tune prompts (benchmarks/long_prompt.py, tune round 2)
+    guide_consensus: float | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -127,9 +132,10 @@ class EvictionConfig:
         if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or \
                 not (0.0 < self.decay <= 1.0):
             bad(f"decay must be a number in (0, 1], got {self.decay!r}")
-        if isinstance(self.consensus, bool) or not isinstance(self.consensus, (int, float)) or \
-                not (0.0 <= self.consensus < 1.0):
-            bad(f"consensus must be a share in [0, 1), got {self.consensus!r}")
+        for name in ("consensus", "guide_consensus"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v < 1.0):
+                bad(f"{name} must be a share in [0, 1), got {v!r}")
         if isinstance(self.value_power, bool) or not isinstance(self.value_power, (int, float)) or \
                 not (0.0 <= self.value_power <= 4.0):
             bad(f"value_power must be a number in [0, 4], got {self.value_power!r}")

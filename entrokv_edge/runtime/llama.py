@@ -192,7 +192,8 @@ class EntroKVLlama(llama_cpp.Llama):
         with self._claim():
             return self._evict(n_keep)
 
-    def _evict(self, n_keep: int | None = None) -> EvictionResult:
+    def _evict(self, n_keep: int | None = None, controller: EvictionController | None = None) -> EvictionResult:
+        """``controller``: one with other settings for this eviction only (a guided eviction's consensus)."""
         n = self.n_tokens
         if n == 0:
             raise ValueError("nothing to evict: the context is empty")
@@ -202,7 +203,7 @@ class EntroKVLlama(llama_cpp.Llama):
             raise ValueError("the full policy never evicts: the cache is too small for this conversation")
         t0 = time.perf_counter()
         hook = (lambda tp, cells: self.recall.on_evict(self, tp, cells)) if self.recall else None
-        res = self.controller.evict(self, scores, n_keep=N, before_compact=hook)
+        res = (controller or self.controller).evict(self, scores, n_keep=N, before_compact=hook)
         if self.recall:
             self.recall.n_keep = geometry(self).n_compacted
         self.eviction_s += time.perf_counter() - t0
@@ -314,8 +315,9 @@ class EntroKVLlama(llama_cpp.Llama):
 
     def _evict_between(self, guide: list[int]) -> None:
         """An eviction between two pieces of a prompt: the guide's attention joins the last piece's
-        window scores first (controller/guide.py)."""
+        window scores first (controller/guide.py), and a guided eviction keeps ``guide_consensus``."""
         ws, cfg = self._window_scores, self.config
+        controller = None
         if guide and ws is not None and cfg.guide_share > 0 and cfg.policy not in ("streaming", "full") \
                 and ws.pos_last == self.n_tokens - 1:
             t0, stats = time.perf_counter(), {}
@@ -325,7 +327,9 @@ class EntroKVLlama(llama_cpp.Llama):
             self.guide_s += time.perf_counter() - t0
             self.n_guided += stats["guided"] > 0
             self.n_drafted += stats.get("drafted", 0)
-        self.evict()
+            if stats["guided"] and cfg.guide_consensus != cfg.consensus:
+                controller = EvictionController(dataclasses.replace(cfg, consensus=cfg.guide_consensus))
+        self._evict(controller=controller)
 
     def _eval(self, tokens, guide=None) -> None:
         tokens = [int(t) for t in tokens]
