@@ -87,6 +87,10 @@ heldout and the fidelity judge then run once with it, paired against "guide-cons
 before this round) where those rows exist.
 Tune needles: both reads kept the same answers (SmolLM2 1 of the full cache's 2 at each cache, Gemma 3 all 6
 reads; SmolLM2's share-0.25 rows from a scratch copy of the option), so guide_consensus = 0.25 is the default.
+Round 5's outcome (4c52e7a, docs/research.md): the held-out needles gave the same answers as before on
+SmolLM2 (8k) and Gemma 3 (8k, 16k); Qwen2.5's were not rerun. On the fidelity judge, Qwen2.5 had 0.508
+against 0.513 without the consensus (8-4), 1.66x one eviction in that run; SmolLM2's judge ran 2 of 12
+prompts, both lower.
 """
 from __future__ import annotations
 

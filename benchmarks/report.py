@@ -325,7 +325,8 @@ def long_prompt_section(d) -> str:
                  "prefill speed against the full cache's, median):\n\n")
         s.append(_table(["model", "length", "cells", "prompts", "full right"] + configs, table))
         got = {c: {(key(r), r["cells"]): r["correct"] for r in sr if r["config"] == c} for c in configs}
-        for a, b in (("guided", "piecewise"), ("guided+recall", "guided")):
+        # round 4's guided+recall rows ran on the guided read before guide_consensus (round 5): "guide-consensus0"
+        for a, b in (("guided", "piecewise"), ("guided", "guide-consensus0"), ("guided+recall", "guide-consensus0")):
             if a in got and b in got:
                 both = [k for k in got[a] if k in got[b]]
                 if not both:
@@ -359,43 +360,53 @@ def long_prompt_section(d) -> str:
         key = lambda r: (r["model"], r["kind"], r["source"])  # noqa: E731
         by = {(r["config"], key(r)): r for r in fr}
         table = []
+        def paired(mr, a, b):
+            """a against b on the same prompts, rows of one commit only (the full cache's reference answer is
+            recomputed in every run, and its numerics have changed between commits)."""
+            ks = [key(r) for r in mr if r["config"] == a and (b, key(r)) in by
+                  and by[(b, key(r))].get("commit") == r.get("commit")]
+            if not ks:
+                return "not in one run"
+            w = sum(by[(a, k)]["kl_mean"] < by[(b, k)]["kl_mean"] for k in ks)
+            lo = sum(by[(a, k)]["kl_mean"] > by[(b, k)]["kl_mean"] for k in ks)
+            return f"{w}-{lo} (p {sign_test(w, lo):.3g})"
+
         for mdl in sorted({r["model"] for r in fr}):
             mr = [r for r in fr if r["model"] == mdl]
-            mean = {c: float(np.mean([r["kl_mean"] for r in mr if r["config"] == c])) for c in ("one eviction", "piecewise", "guided")}
-            ks = [key(r) for r in mr if r["config"] == "guided" and ("piecewise", key(r)) in by]
-            w = sum(by[("guided", k)]["kl_mean"] < by[("piecewise", k)]["kl_mean"] for k in ks)
-            lo = sum(by[("guided", k)]["kl_mean"] > by[("piecewise", k)]["kl_mean"] for k in ks)
-            table.append([mdl, len(ks), mr[0]["cells"], mr[0].get("kept_tokens"), mean["one eviction"], mean["piecewise"],
-                          mean["guided"], f"{mean['guided'] / max(mean['one eviction'], 1e-12):.2f}x",
-                          f"{w}-{lo} (p {sign_test(w, lo):.3g})"])
+            mean = {c: float(np.mean(v)) if (v := [r["kl_mean"] for r in mr if r["config"] == c]) else float("nan")
+                    for c in ("one eviction", "piecewise", "guide-consensus0", "guided")}
+            table.append([mdl, sum(r["config"] == "guided" for r in mr), mr[0]["cells"], mr[0].get("kept_tokens"),
+                          mean["one eviction"], mean["piecewise"], mean["guide-consensus0"], mean["guided"],
+                          f"{mean['guided'] / max(mean['one eviction'], 1e-12):.2f}x", paired(mr, "guided", "piecewise"),
+                          paired(mr, "guided", "guide-consensus0")])
         s.append("**Fidelity through a cache of a quarter of the prompt** (the fidelity judge's QA and code prompts, "
                  "question at the end; KL(full || evicted) along the full cache's 64-token answer; \"one eviction\": "
-                 "the whole prompt in the cache, evicted once after it to the same number of tokens):\n\n")
-        s.append(_table(["model", "prompts", "cells", "kept", "one eviction KL", "piecewise KL", "guided KL",
-                         "guided / one eviction", "guided vs piecewise (wins-losses)"], table))
+                 "the whole prompt in the cache, evicted once after it to the same number of tokens; "
+                 "\"guide-consensus0\": the guided read without `guide_consensus`, as before round 5; the ratio is "
+                 "taken within the guided rows' run):\n\n")
+        s.append(_table(["model", "prompts", "cells", "kept", "one eviction KL", "piecewise KL", "guide-consensus0 KL",
+                         "guided KL", "guided / one eviction", "guided vs piecewise (wins-losses)",
+                         "guided vs guide-consensus0"], table))
         s.append("\nThe goal: guided within 1.5x of one eviction's mean KL.\n\n")
         rc = [r for r in fr if r["config"] == "guided+recall"]
-        if rc:
+        if rc:      # round 4's rows; the same run's reads without recall were replaced by later runs (research.md)
             table = []
             for mdl in sorted({r["model"] for r in rc}):
                 ks = [key(r) for r in rc if r["model"] == mdl]
-                mean = {c: float(np.mean([by[(c, k)]["kl_mean"] for k in ks])) if all((c, k) in by for k in ks)
-                        else float("nan") for c in ("one eviction", "one eviction+recall", "guided", "guided+recall")}
-                pair = [k for k in ks if ("guided", k) in by]
-                w = sum(by[("guided+recall", k)]["kl_mean"] < by[("guided", k)]["kl_mean"] for k in pair)
-                lo = sum(by[("guided+recall", k)]["kl_mean"] > by[("guided", k)]["kl_mean"] for k in pair)
-                table.append([mdl, len(ks), mean["one eviction"], mean["one eviction+recall"], mean["guided"],
-                              mean["guided+recall"], f"{mean['guided+recall'] / max(mean['one eviction'], 1e-12):.2f}x",
-                              f"{mean['guided+recall'] / max(mean['one eviction+recall'], 1e-12):.2f}x",
-                              f"{w}-{lo} (p {sign_test(w, lo):.3g})"])
-            s.append("**The same with the recall tier on** (`recall=True`, its defaults: what the evictions between "
-                     "pieces drop goes to the store, and the question and the answer bring pages back; \"one "
-                     "eviction+recall\": the whole prompt in a cache that holds it, evicted once to the same budget, "
-                     "recall on; rows " + ", ".join(f"`{c}`" for c in sorted({r.get('commit', '?') for r in rc}))
-                     + "):\n\n")
-            s.append(_table(["model", "prompts", "one eviction KL", "one eviction+recall KL", "guided KL",
-                             "guided+recall KL", "guided+recall / one eviction", "guided+recall / one eviction+recall",
-                             "guided+recall vs guided (wins-losses)"], table) + "\n")
+                run = {by[("guided+recall", k)].get("commit") for k in ks}
+                mean = {c: float(np.mean([by[(c, k)]["kl_mean"] for k in ks]))
+                        if all((c, k) in by and by[(c, k)].get("commit") in run for k in ks) else float("nan")
+                        for c in ("one eviction+recall", "guided+recall")}
+                table.append([mdl, len(ks), mean["one eviction+recall"], mean["guided+recall"],
+                              f"{mean['guided+recall'] / max(mean['one eviction+recall'], 1e-12):.2f}x"])
+            s.append("**The same with the recall tier on** (round 4: `recall=True`, its defaults, on the guided read "
+                     "before `guide_consensus`; what the evictions between pieces drop goes to the store, and the "
+                     "question and the answer bring pages back; \"one eviction+recall\": the whole prompt in a cache "
+                     "that holds it, evicted once to the same budget, recall on; that run's reads without recall are in "
+                     "docs/research.md, \"Documents bigger than the cache with recall\"; rows "
+                     + ", ".join(f"`{c}`" for c in sorted({r.get('commit', '?') for r in rc})) + "):\n\n")
+            s.append(_table(["model", "prompts", "one eviction+recall KL", "guided+recall KL",
+                             "guided+recall / one eviction+recall"], table) + "\n")
     s.append(_fidelity_tune([r for r in rows if r["part"] == "fidelity" and r.get("split") == "fidelity-tune"]))
     for r in not_run:
         s.append(f"Fidelity through {r['cells']} cells, {r['model']}: not run ({r['reason']}).\n\n")
@@ -410,6 +421,7 @@ def _fidelity_tune(rows) -> str:
     key = lambda r: (r["model"], r["kind"], r["source"])  # noqa: E731
     configs = list(dict.fromkeys(r["config"] for r in rows if r["config"] != "one eviction"))
     by = {(r["config"], key(r)): r["kl_mean"] for r in rows}
+    at = {(r["config"], key(r)): r.get("commit") for r in rows}
     table = []
     for mdl in sorted({r["model"] for r in rows}):
         ks = sorted({key(r) for r in rows if r["model"] == mdl and r["config"] == "one eviction"})
@@ -418,15 +430,15 @@ def _fidelity_tune(rows) -> str:
             both = [k for k in ks if (c, k) in by]
             mean = float(np.mean([by[(c, k)] for k in both])) if both else float("nan")
             ref = c[: -len("-noend")] if c.endswith("-noend") else "guided"     # an A/B row: against its counterpart
-            pair = [k for k in both if (ref, k) in by]
+            pair = [k for k in both if (ref, k) in by and at[(ref, k)] == at[(c, k)]]     # one run's rows only
             w = sum(by[(c, k)] < by[(ref, k)] for k in pair)
             lo = sum(by[(c, k)] > by[(ref, k)] for k in pair)
-            line.append(f"{mean:.3f}" + (f" ({w}-{lo})" if c != "guided" else ""))
+            line.append(f"{mean:.3f}" + (f" ({w}-{lo})" if c != "guided" and pair else ""))
         table.append(line)
     commits = ", ".join(f"`{c}`" for c in sorted({r.get("commit", "?") for r in rows}))
     return ("**Tune prompts** (QA essays and code modules the judge does not use, same cache and answer length; "
-            f"mean KL per configuration, and its paired wins-losses against the defaults, \"guided\" (a \"-noend\" row: "
-            f"against the same configuration with the recall after the final eviction); rows {commits}):\n\n"
+            f"mean KL per configuration, and its paired wins-losses against the defaults, \"guided\", in the same run (a "
+            f"\"-noend\" row: against the same configuration with the recall after the final eviction); rows {commits}):\n\n"
             + _table(["model", "prompts", "one eviction"] + configs, table) + "\n")
 
 

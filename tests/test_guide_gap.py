@@ -15,7 +15,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def test_a_favoured_selection_survives_a_read_in_pieces(synth_models):
     import guide_gap as GG
     path = str(synth_models["llama-r3"])
-    settings = dict(budget=64, page_size=8, window=16, guide=16, verbose=False, seed=0, n_threads=2, n_threads_batch=2)
+    # the favour is per buffer: no consensus, which puts pages into every buffer alike (guide_gap's oracle runs so too)
+    settings = dict(budget=64, page_size=8, window=16, guide=16, guide_consensus=0.0, verbose=False, seed=0, n_threads=2,
+                    n_threads_batch=2)
     toks = [int(t) for t in np.random.default_rng(9).integers(3, 300, 600)]
     whole = ek.EntroKVLlama(path, n_ctx=1024, **settings)
     whole.eval(toks)                                     # fits: one eviction after the prompt, to 64 tokens

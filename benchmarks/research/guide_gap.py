@@ -102,7 +102,8 @@ def run(models, configs, length: int, n_qa: int, n_code: int, tokens: int, log=p
                 mask[slot // G, slot % G, pos] = True
             _favour["mask"] = mask
             try:
-                LP._read(small, p.tokens, ek.EvictionConfig())
+                # the favour is per buffer; a consensus (guide_consensus) would put pages into every buffer alike
+                LP._read(small, p.tokens, ek.EvictionConfig(guide_consensus=0.0))
             finally:
                 _favour["mask"] = None
             row["oracle overlap"] = _overlap(_kept(small), S)
