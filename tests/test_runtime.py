@@ -211,6 +211,7 @@ def test_a_long_prompt_leaves_room_for_the_drafts_its_evictions_are_scored_with(
     fits.eval(toks[:180])
     assert fits.kv_report()["evictions"] == 1 and fits.kv_report()["guided_evictions"] == 0
 
+
 def test_guided_evictions_keep_pages_common_to_every_buffer_and_the_last_eviction_its_own_consensus(model, monkeypatch):
     """guide_consensus: each guided eviction between pieces gives that share of every (layer, group) buffer's free
     pages to pages all buffers keep (the consensus); the eviction after the prompt keeps ``consensus``. Without
