@@ -113,12 +113,12 @@ class SoakLlama(ek.EntroKVLlama, _Probe):
         self.oracle, self.mirror, self.pending = oracle, Mirror(), None
         self.checks: list[dict] = []
 
-    def _evict(self, n_keep=None):
+    def _evict(self, n_keep=None, **kw):
         before = state_blob(self)
         pos = parse_cache(before).pos
         geo = ek.geometry(self)
         table = self.mirror.table(pos, geo.n_slots)
-        res = super()._evict(n_keep)
+        res = super()._evict(n_keep, **kw)
         kept = res.positions.reshape(geo.n_slots, -1)
         sel = np.stack([np.searchsorted(row, k) for row, k in zip(table, kept)])
         assert np.array_equal(np.take_along_axis(table, sel, 1), kept), "a kept position the cache did not hold"

@@ -23,8 +23,8 @@ def conversation(llm, toks, n_new: int) -> dict:
     kept = []
     evict = llm._evict
 
-    def recording(n_keep=None):
-        res = evict(n_keep)
+    def recording(n_keep=None, **kw):      # (a guided eviction also passes its controller)
+        res = evict(n_keep, **kw)
         kept.append((llm.n_tokens, res.positions.copy()))
         return res
     llm._evict = recording
