@@ -257,6 +257,15 @@ def answer(llm, snap: Snapshot, placement: str, suffix: list[int], n: int) -> st
     return llm.detokenize(toks).decode("utf-8", errors="replace")
 
 
+def cpu_features() -> str:
+    """The CPU features the loaded ggml was built with and this machine has (``llama_print_system_info``'s
+    "CPU" entries set to 1, e.g. "AVX AVX2 F16C FMA ..."). Greedy answers and KL differ between builds
+    of different features (other kernels round differently), so rows are compared within one build."""
+    info = ek.llama_cpp.llama_print_system_info().decode(errors="replace")
+    cpu = info.split("CPU :", 1)[1].split("|") if "CPU :" in info else []
+    return " ".join(sorted(k.strip() for k, _, v in (e.partition("=") for e in cpu) if v.strip() == "1"))
+
+
 def threads() -> int:
     """Threads for every llama.cpp run of the benchmarks (prompt and single-token decode alike):
     ENTROKV_BENCH_THREADS, else the machine's cores. evidence.py sets it from --threads, so the

@@ -201,7 +201,8 @@ class RowLog:
     hours that stops keeps what it did, and a rerun reuses it: the full cache's rows (a plain llama.cpp
     cache, independent of this package's code) from any commit, the others from the same commit or
     one of ``also`` (commits whose code for those rows the caller knows to be the same; each row keeps
-    the commit it was made at)."""
+    the commit it was made at); every row only from a build of the same CPU features (the callers' keys
+    hold ``cpu_features``: another build's kernels round differently and can answer otherwise)."""
 
     def __init__(self, path: str | None, commit: str, also=()):
         self.path, self.commits, self.rows = path, {commit, *also}, []
@@ -227,6 +228,7 @@ def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, co
     import hashlib
     sp = SPLITS[split]
     book, rows = RowLog(row_log, commit, reuse_from), []
+    features = H.cpu_features()
     for model in models:
         fits = [n for n in lengths if n <= H.train_context(model)]
         if not fits:
@@ -241,8 +243,10 @@ def needle_rows(models, split: str, lengths, cells, configs, max_answer: int, co
                                          question_first=sp.get("question_first", False))
                 base = {"model": model, "split": split, "length": len(p.tokens), "target_length": length,
                         "depth": depth, "kind": kind, "max_answer": max_answer,
-                        "tokens_sha": hashlib.sha256(np.asarray(p.tokens, dtype=np.int64).tobytes()).hexdigest()[:16]}
-                key = {k: base[k] for k in ("model", "split", "target_length", "depth", "tokens_sha", "max_answer")}
+                        "tokens_sha": hashlib.sha256(np.asarray(p.tokens, dtype=np.int64).tobytes()).hexdigest()[:16],
+                        "cpu_features": features}
+                key = {k: base[k] for k in ("model", "split", "target_length", "depth", "tokens_sha", "max_answer",
+                                            "cpu_features")}
                 base["commit"] = commit
                 row = book.find({**key, "config": "full"})
                 if row is None:
@@ -306,7 +310,7 @@ def fidelity_rows(models, tokens: int, n_qa: int, n_code: int, length: int, comm
     number of tokens. ``split``: the judge's prompts or the tune prompts (FIDELITY_SPLITS)."""
     sp = FIDELITY_SPLITS[split]
     n_qa, n_code = min(n_qa, sp.get("n_qa", n_qa)), min(n_code, sp.get("n_code", n_code))
-    rows = []
+    rows, features = [], H.cpu_features()
     cells = length // 4
     for model in models:
         small = _Runtimes(model, length + tokens + 256)
@@ -323,7 +327,7 @@ def fidelity_rows(models, tokens: int, n_qa: int, n_code: int, length: int, comm
                 fidelity.code_prompts(full, n_code, length, sp["code_offset"]):
             snap, ref, full_lp = fidelity_reference(full, p, tokens, stop)
             base = {"model": model, "kind": p.meta["kind"], "source": p.meta["source"], "tokens": len(ref),
-                    "prompt_tokens": len(p.tokens), "cells": cells, "commit": commit}
+                    "prompt_tokens": len(p.tokens), "cells": cells, "commit": commit, "cpu_features": features}
             m = H.evict_from(full, snap, ek.EvictionConfig(budget=budget))
             lp = fidelity._follow(full, snap.logits, ref)
             rows.append({**base, "config": "one eviction", "kl_mean": float(np.mean(fidelity._kl(full_lp, lp))),

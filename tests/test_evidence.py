@@ -53,6 +53,7 @@ def test_every_part_writes_its_results_with_provenance(quick):
         doc = json.loads((quick / f"{part}.json").read_text())
         m = doc["meta"]
         assert m["mode"] == "quick" and m["commit"] and m["machine"]["cores"] >= 1
+        assert m["machine"]["cpu_features"]         # what the loaded ggml was built with (its kernels' rounding)
         assert all(len(v["sha256"]) == 64 for v in m["models"].values())
         assert m["seconds"] > 0
 
@@ -245,6 +246,27 @@ def test_report_sections_8_and_9_render_their_rows():
     s = report.robustness_section(soak, fuzz)
     assert f"state equal in {soak['blob_equal']} of {soak['checked']}" in s
     assert "| compact | 5 | 2 | 3 | ok 2, LIST_LENGTH 3 |" in s
+
+
+def test_the_long_prompt_report_pairs_kl_only_within_one_build():
+    """Rows of one commit made by builds of other CPU features are not paired (their full cache's reference
+    answers differ); the same rows from one build are."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+
+    def rows(features_b):
+        out = []
+        for i, (pw, gd) in enumerate([(0.3, 0.2), (0.5, 0.1), (0.2, 0.4)]):
+            base = {"part": "fidelity", "split": "fidelity", "model": "m", "kind": "qa", "source": f"s{i}",
+                    "cells": 512, "commit": "c"}
+            out += [{**base, "config": "one eviction", "kl_mean": 0.1, "cpu_features": "AVX AVX2"},
+                    {**base, "config": "piecewise", "kl_mean": pw, "cpu_features": features_b},
+                    {**base, "config": "guided", "kl_mean": gd, "cpu_features": "AVX AVX2"}]
+        return report.long_prompt_section({"meta": {}, "data": {"rows": out}})
+
+    line = lambda s: next(ln for ln in s.splitlines() if ln.startswith("| m | 3 |"))   # noqa: E731
+    assert "| 2-1 (p " in line(rows("AVX AVX2"))
+    assert "2-1" not in line(rows("AVX AVX2 AVX512")) and "not in one run" in line(rows("AVX AVX2 AVX512"))
 
 
 def test_peers_of_a_model_run_alone_join_the_other_models_and_the_report_pairs_each(tmp_path):
