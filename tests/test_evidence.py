@@ -372,3 +372,17 @@ def test_a_row_log_reuses_the_full_caches_rows_from_any_commit_and_the_others_on
     assert named.find({**key, "config": "piecewise", "cells": 2048}) is None
     named.add({**key, "config": "guided", "cells": 1024, "commit": "b", "correct": True})
     assert [r["commit"] for r in long_prompt.RowLog(str(path), "c").rows] == ["a", "a", "b"]
+
+
+def test_references_compare_names_the_prompts_whose_reference_or_prompt_differs():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "research"))
+    import references
+
+    def row(source, prompt_sha="p", ref_sha="r", n=10):
+        return {"model": "m", "split": "s", "source": source, "prompt_sha": prompt_sha, "ref_sha": ref_sha,
+                "ref_tokens": n}
+
+    a = {"rows": [row("same"), row("other-ref", ref_sha="r1", n=25), row("other-prompt"), row("only-a")]}
+    b = {"rows": [row("same"), row("other-ref", ref_sha="r2", n=28), row("other-prompt", prompt_sha="q")]}
+    assert references.compare(a, b) == ["m s other-ref: reference 25 tokens against 28, other tokens",
+                                        "m s other-prompt: other prompt tokens"]
