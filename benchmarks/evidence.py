@@ -121,8 +121,9 @@ def meta(mode: str, settings: dict, seconds: float, commit: str) -> dict:
                 if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     return {"mode": mode, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC",
             time.gmtime()), "machine": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "system": platform.platform(), "cpu_features": H.cpu_features()}, "models": {m: {"file": reg[m]["file"], "sha256": reg[m]["sha256"]}
-            for m in MODELS if m in reg}, "settings": settings, "seconds": seconds}
+            "system": platform.platform(), "cpu_features": H.cpu_features()},
+            "models": {m: {"file": reg[m]["file"], "sha256": reg[m]["sha256"]} for m in MODELS if m in reg},
+            "settings": settings, "seconds": seconds}
 
 
 def peer_cases(lengths, depths, budgets, llm, quick=False) -> list[dict]:

@@ -367,7 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=["piecewise", "guided"],
                     help="none: the full cache's rows only")
     ap.add_argument("--row-log", help="needle rows, one JSON line each as they are made; a rerun with the same "
-                    "file reuses them (the full cache's from any commit, the others from the same commit or --reuse-from's)")
+                    "file reuses them (the full cache's from any commit, the others from the same commit or "
+                    "--reuse-from's; only rows of a build with this one's CPU features)")
     ap.add_argument("--reuse-from", nargs="+", default=[], metavar="COMMIT",
                     help="with --row-log: also reuse the rows these commits made (only where their code for those "
                     "configs is this checkout's; the rows keep their commit)")

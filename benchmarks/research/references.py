@@ -30,7 +30,8 @@ import fidelity  # noqa: E402
 import long_prompt as LP  # noqa: E402
 
 
-def references(model: str, split: str, tokens: int = LP.FULL["fid_tokens"], length: int = fidelity.FULL["length"]) -> list[dict]:
+def references(model: str, split: str, tokens: int = LP.FULL["fid_tokens"],
+               length: int = fidelity.FULL["length"]) -> list[dict]:
     """The rows of ``model``'s prompts of ``split`` (long_prompt.FIDELITY_SPLITS), on this build."""
     sp = LP.FIDELITY_SPLITS[split]
     full = H.load(model, length + tokens + 256)
@@ -49,7 +50,8 @@ def references(model: str, split: str, tokens: int = LP.FULL["fid_tokens"], leng
             plain_ref = H.greedy(full, plain, tokens, stop) or [int(np.argmax(plain))]
             rows.append({"model": model, "split": split, "source": p.meta["source"], "prompt_tokens": len(p.tokens),
                          "prompt_sha": hashlib.sha256(np.asarray(p.tokens, np.int64).tobytes()).hexdigest()[:16],
-                         "ref_tokens": len(ref), "ref_sha": hashlib.sha256(np.asarray(ref, np.int64).tobytes()).hexdigest()[:16],
+                         "ref_tokens": len(ref),
+                         "ref_sha": hashlib.sha256(np.asarray(ref, np.int64).tobytes()).hexdigest()[:16],
                          "plain_same": plain_ref == ref, "plain_max_diff": float(np.abs(plain - snap.logits).max())})
         return rows
     finally:
