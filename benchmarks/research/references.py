@@ -10,7 +10,7 @@ same batches) gives the same last logits and the same reference. ``--compare`` l
 references differ between two such files, with each file's CPU features.
 
 Session 41 (docs/research.md, "KL depends on the build's CPU features"): on one AVX2 machine the
-fidelity-tune references were equal at two commits 100 commits apart, with 1 or 2 threads, and changed
+fidelity-tune references were equal at two commits about 100 apart, with 1 or 2 threads, and changed
 with -DGGML_AVX2=OFF.
 """
 from __future__ import annotations
@@ -44,8 +44,7 @@ def references(model: str, split: str, tokens: int = LP.FULL["fid_tokens"],
             snap, ref, _ = LP.fidelity_reference(full, p, tokens, stop)
             H.C.llama_memory_clear(full._ctx.memory, True)
             full.reset()
-            for i in range(0, len(p.tokens), full.n_batch):
-                full.eval(p.tokens[i: i + full.n_batch])
+            full.eval(p.tokens)             # (llama-cpp-python decodes it in batches of n_batch)
             plain = H.logits(full)
             plain_ref = H.greedy(full, plain, tokens, stop) or [int(np.argmax(plain))]
             rows.append({"model": model, "split": split, "source": p.meta["source"], "prompt_tokens": len(p.tokens),
