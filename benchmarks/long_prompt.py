@@ -91,6 +91,16 @@ Round 5's outcome (4c52e7a, docs/research.md): the held-out needles gave the sam
 SmolLM2 (8k) and Gemma 3 (8k, 16k); Qwen2.5's were not rerun. On the fidelity judge, Qwen2.5 had 0.508
 against 0.513 without the consensus (8-4), 1.66x one eviction in that run; SmolLM2's judge ran 2 of 12
 prompts, both lower.
+
+Round 6, the eviction after the prompt chooses among everything (EvictionConfig.reselect: what the evictions
+between pieces drop is set aside, and the final eviction scores the cached and the set-aside tokens alike with
+its window's and draft's exact attention; controller/reselect.py). Explored on fidelity-tune only (one thread,
+scratch copies first): SmolLM2 mean KL 0.107 against the guided read's 0.143 (6-2), Qwen2.5 lower on 6 of its
+first 7 prompts. Three other ways to bring set-aside tokens back, the recall tier's turn recall without decoding
+recalls (three settings, scratch), were worse on SmolLM2 (0.167 to 0.190). The rule, written
+before the judge or any held-out row ran: reselect = True becomes the default if on fidelity-tune it lowers the
+mean KL and wins more paired comparisons than it loses on both SmolLM2 and Qwen2.5; the judge (both models)
+and the held-out needles then run once with it, paired against "reselect0" (the guided read of round 5).
 """
 from __future__ import annotations
 
@@ -123,6 +133,8 @@ CONFIGS = {
     "guide-consensus0": dict(guide_consensus=0.0),
     "guide-consensus0.1": dict(guide_consensus=0.1),
     "guide-consensus0.5": dict(guide_consensus=0.5),
+    # the guided read without round 6's reselect (the guided read before round 6)
+    "reselect0": dict(reselect=False),
     # the defaults with the guide given to eval: the question (where it comes first) and the prompt's end
     "guide=question+end": dict(guide_from="question"),
     # the defaults with the recall tier on (RecallConfig's defaults, chosen on issue 23's own prompts): what the

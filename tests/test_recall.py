@@ -581,9 +581,10 @@ def test_a_prompt_read_in_pieces_ends_with_its_questions_recall(model, lookahead
     """A prompt longer than the cache, read in pieces: its evictions fill the store, and its last window
     (the question) drives a turn's recall after the final eviction, with or without the lookahead draft
     that eviction is scored with (the draft's scores keep the window's queries). Every position stays
-    once, in the cache or in the store."""
+    once, in the cache or in the store. (Without reselect: with it, the final eviction itself chooses among
+    the stored tokens, and no turn's recall follows; tests/test_reselect.py.)"""
     llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 0}, lookahead=lookahead, guide_draft=0,
-                          **SETTINGS)
+                          reselect=False, **SETTINGS)
     toks = prompt(700, 11)
     llm.eval(toks)
     rep = llm.kv_report()

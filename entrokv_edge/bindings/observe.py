@@ -30,6 +30,8 @@ class WindowScores:
     layer_ids int32   [L]
     queries   float32 [L, window, H, head_dim] or None: the window's queries as attention sees
               them (RoPE applied, times the model's scale: q . k is the logit of a cached key k)
+    draft_queries float32 [L, k, H, head_dim] or None: the queries of k tokens drafted right after the
+              window (a lookahead draft, removed again), as ``queries``
     """
 
     scores: np.ndarray
@@ -39,6 +41,7 @@ class WindowScores:
     n_tokens: int
     pos_last: int
     queries: np.ndarray | None = None
+    draft_queries: np.ndarray | None = None
 
     @property
     def n_head_kv(self) -> int:
@@ -52,7 +55,8 @@ class WindowScores:
         n = int(used[-1]) + 1 if used.size else 0
         return WindowScores(np.array(self.scores[:, :, :n], dtype=np.float64), self.true_pos[:, :n].copy(),
                             self.layer_ids.copy(), self.window, self.n_tokens, self.pos_last,
-                            None if self.queries is None else self.queries.copy())
+                            None if self.queries is None else self.queries.copy(),
+                            None if self.draft_queries is None else self.draft_queries.copy())
 
 
 def head_slots(n_layers: int, n_head: int, n_head_kv: int) -> np.ndarray:

@@ -14,11 +14,13 @@ POLICIES = METHOD_POLICIES + ("entrokv-edge",)
 # pool 7, rank)
 EDGE_DEFAULTS = {"page_size": 2, "pool": 3, "spread": 24, "decay": 0.7, "consensus": 0.0, "entropy_region": "sinks",
                  "head_pool": "rank", "value_power": 0.0, "lookahead": 24, "lookahead_share": 0.85,
-                 "guide_consensus": 0.25}     # benchmarks/long_prompt.py, round 5
+                 "guide_consensus": 0.25,     # benchmarks/long_prompt.py, round 5
+                 "reselect": True}            # benchmarks/long_prompt.py, round 6
 OFF = {"page_size": 16, "pool": 0, "spread": 0, "decay": 1.0, "consensus": 0.0, "entropy_region": "sinks",
-       "head_pool": "entropy", "value_power": 0.0, "lookahead": 0, "lookahead_share": 0.0, "guide_consensus": 0.0}
+       "head_pool": "entropy", "value_power": 0.0, "lookahead": 0, "lookahead_share": 0.0, "guide_consensus": 0.0,
+       "reselect": False}
 EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_pool", "value_power", "lookahead",
-                "lookahead_share", "guide_consensus")
+                "lookahead_share", "guide_consensus", "reselect")
 MAX_LOOKAHEAD = 64
 # the budget when none is given: a fraction of the prompt for the controller alone (EvictionController); EntroKVLlama,
 # which knows its cache, keeps what the cache can hold with room for new tokens instead (runtime/llama.py)
@@ -89,6 +91,11 @@ class EvictionConfig:
     guide_consensus: the consensus share (as ``consensus``) of each guided eviction between pieces, an
                      entrokv-edge option: a fact the guide finds in some buffers is kept in all of
                      them before the question itself is read (the final eviction keeps ``consensus``)
+    reselect       : True / False, an entrokv-edge option: what the evictions between pieces drop is set
+                     aside (K/V rows outside the cache) until the prompt is read; the eviction after it then
+                     scores the cached and the set-aside tokens alike (the exact attention of its window and
+                     lookahead draft) and selects from all of them, the chosen set-aside tokens written back
+                     (controller/reselect.py). Not with value_power > 0 (set-aside values are not read)
     """
 
     budget: float | int | None = None
@@ -112,6 +119,7 @@ class EvictionConfig:
     guide_share: float = 1.0
     guide_draft: int = 8                # chosen on the tune prompts (benchmarks/long_prompt.py, tune round 2)
     guide_consensus: float | None = None
+    reselect: bool | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -136,6 +144,8 @@ class EvictionConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v < 1.0):
                 bad(f"{name} must be a share in [0, 1), got {v!r}")
+        if not isinstance(self.reselect, bool):
+            bad(f"reselect must be True or False, got {self.reselect!r}")
         if isinstance(self.value_power, bool) or not isinstance(self.value_power, (int, float)) or \
                 not (0.0 <= self.value_power <= 4.0):
             bad(f"value_power must be a number in [0, 4], got {self.value_power!r}")

@@ -20,6 +20,7 @@ from .config import EvictionConfig
 from .lookahead import lookahead_scores
 from .pages import page_scores, pages_to_positions
 from .policies import Selection, select_layers
+from .reselect import UnionScores, resident, swap_in
 from .weights import head_weights
 
 
@@ -72,7 +73,7 @@ class EvictionController:
         return lookahead_scores(llm, scores, self.config.lookahead, eval_tokens, stats, self.config.lookahead_share)
 
     def evict(self, llm, scores: WindowScores, *, needles=None, n_keep: int | None = None,
-              before_compact=None) -> EvictionResult:
+              before_compact=None, aside=None) -> EvictionResult:
         """Select with the configured policy from ``scores`` and compact ``llm``'s cache.
 
         The cache may have been evicted before and may hold tokens decoded after the
@@ -81,7 +82,11 @@ class EvictionController:
         after the observed window (no score yet) get their head's mean score.
         ``n_keep``: pages to keep instead of the budget's (the runtime's capacity limit);
         ``before_compact(tp_now, cells)``: called with the slots' true positions (None: cells are
-        positions) and the cells [n_slots, K] each keeps, right before the compaction."""
+        positions) and the cells [n_slots, K] each keeps, right before the compaction.
+        ``aside``: a store (runtime/recall.py) of the tokens earlier evictions dropped: with the option
+        ``reselect`` and the window's queries in ``scores``, they are scored with the cached ones and may be
+        chosen; those chosen come back into the cache, the tokens they displace take their place in the
+        store (controller/reselect.py; metrics["reselected_tokens"])."""
         cfg = self.config
         t0 = time.perf_counter()
         g = geometry(llm)
@@ -100,9 +105,22 @@ class EvictionController:
             present = self._by_position(tp_now, n, tp_now >= 0).reshape(L, G, n)
             available = page_scores(present.astype(np.float32), cfg.page_size, "max") > 0
             layer_scores = lambda l: self._layer_scores_by_position(scores, present, l, n, H, r)    # noqa: E731
+        union = None
+        if cfg.reselect and aside is not None and aside.n_tokens and scores.queries is not None \
+                and cfg.value_power == 0 and cfg.policy != "full" and scores.pos_last == g.pos_max:
+            tp_now = true_positions(llm) if tp_now is None else tp_now
+            union = UnionScores(*resident(llm, g, tp_now, aside), aside, scores.queries, scores.pos_last,
+                                scores.draft_queries if cfg.lookahead else None, cfg.lookahead_share, n)
+            present = union.present().reshape(L, G, n)
+            available = page_scores(present.astype(np.float32), cfg.page_size, "max") > 0
+            layer_scores, fresh = union.layer, False
         values = self._values_by_position(llm, tp_now, n, L, G) if cfg.value_power > 0 else None
         sel = select_layers(layer_scores, L, r, cfg, n, available=available, n_keep=n_keep, values=values)
         positions = pages_to_positions(sel.pages, cfg.page_size, n)
+        brought = 0
+        if union is not None:
+            brought = swap_in(llm, g, tp_now, positions.reshape(L * G, -1), aside)
+            tp_now = true_positions(llm) if brought else tp_now
         t1 = time.perf_counter()
         if cfg.policy != "full":
             if fresh:
@@ -115,6 +133,7 @@ class EvictionController:
         t2 = time.perf_counter()
         result = EvictionResult(sel, positions)
         result.metrics = self._metrics(llm, L, H, r, sel, positions, n, needles)
+        result.metrics.update(reselected=union is not None, reselected_tokens=brought)
         # where the time went: selection (scores to kept positions), compaction, the metrics (UOR replay etc.)
         result.metrics["timing"] = {"select_s": t1 - t0, "compact_s": t2 - t1,
                                     "metrics_s": time.perf_counter() - t2}

@@ -54,6 +54,7 @@ def lookahead_scores(llm, scores: WindowScores, k: int, eval_tokens: Callable[[l
     slot_of = head_slots(L, H, scores.n_head_kv)                                  # [L, H]
     held = scores.true_pos >= 0                                                  # [n_slots, n_w]
     acc = np.zeros((L, H, n_w), dtype=np.float64)
+    queries = []
 
     def add(view: WindowScores) -> None:
         # the drafted token's attention on the cells that still hold what the window saw
@@ -61,6 +62,8 @@ def lookahead_scores(llm, scores: WindowScores, k: int, eval_tokens: Callable[[l
         other = ~held | (view.true_pos[:, :n_w] != scores.true_pos)
         v = view.scores[:, :, :n_w]
         acc[...] += np.where(other[slot_of], 0.0, v) if other.any() else v
+        if view.queries is not None:
+            queries.append(np.array(view.queries[:, -1]))       # [L, H, d]: a reselect scores with it
 
     drafted, lg = [], last
     obs = Observation(llm, 1, handler=add, keep_last=False).start()
@@ -87,7 +90,9 @@ def lookahead_scores(llm, scores: WindowScores, k: int, eval_tokens: Callable[[l
         return scores
     w, d = scores.window, len(drafted)
     mixed = (w * scores.scores + acc) / (w + d) if share == 0 else (1.0 - share) * scores.scores + (share / d) * acc
-    return dataclasses.replace(scores, scores=mixed)        # the window's own queries stay: a turn's recall reads them
+    # the window's own queries stay (a turn's recall reads them), the draft's join them (a reselect reads both)
+    return dataclasses.replace(scores, scores=mixed,
+                               draft_queries=np.stack(queries, 1) if len(queries) == d else None)
 
 
 def draft_room(llm, g: KVGeometry) -> int:

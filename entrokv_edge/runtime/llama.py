@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import tempfile
 import threading
 import time
 import weakref
@@ -27,7 +28,7 @@ from ..controller.guide import guide_scores
 from .._loader import ensure_llama_cpp
 from . import session
 from ..controller.lookahead import draft_room, restore_tail
-from .recall import Recall, recall_config
+from .recall import Recall, RecallConfig, recall_config
 
 llama_cpp = ensure_llama_cpp()
 
@@ -40,7 +41,8 @@ MAX_THREADS = 512          # ggml's GGML_MAX_N_THREADS: a larger thread count cr
 def _without_queries(ws: WindowScores | None) -> WindowScores | None:
     """Window scores as a saved state keeps them: without the window's queries, which only the turn's recall
     right after that window reads (a restored conversation's next turn observes its own)."""
-    return ws if ws is None or ws.queries is None else dataclasses.replace(ws, queries=None)
+    return ws if ws is None or (ws.queries is None and ws.draft_queries is None) else \
+        dataclasses.replace(ws, queries=None, draft_queries=None)
 
 
 def reserved_cells(kv_cells: int, cfg: EvictionConfig) -> int:
@@ -145,6 +147,8 @@ class EntroKVLlama(llama_cpp.Llama):
         self.n_guided = 0              # evictions between pieces of a prompt that its guide steered
         self.guide_s = 0.0             # wall time spent evaluating the guide (and its draft) for them
         self.n_drafted = 0             # tokens drafted to score evictions (lookahead's, the guide's), then removed
+        self.n_reselected = 0          # set-aside tokens a reselect brought back (all (layer, KV group) buffers)
+        self._aside: Recall | None = None   # while a prompt is read in pieces without recall: what its evictions drop
         me = weakref.ref(self)          # no cycle through the recall: the model is freed when the instance goes
         self.recall = Recall(recall_cfg, lambda: me().config) if recall_cfg else None
         self._recall_obs: Observation | None = None     # window 1 over decoded tokens, while generating
@@ -192,8 +196,10 @@ class EntroKVLlama(llama_cpp.Llama):
         with self._claim():
             return self._evict(n_keep)
 
-    def _evict(self, n_keep: int | None = None, controller: EvictionController | None = None) -> EvictionResult:
-        """``controller``: one with other settings for this eviction only (a guided eviction's consensus)."""
+    def _evict(self, n_keep: int | None = None, controller: EvictionController | None = None,
+               reselect: bool = False) -> EvictionResult:
+        """``controller``: one with other settings for this eviction only (a guided eviction's consensus);
+        ``reselect``: the eviction after a prompt read in pieces, which may choose what earlier ones set aside."""
         n = self.n_tokens
         if n == 0:
             raise ValueError("nothing to evict: the context is empty")
@@ -202,8 +208,13 @@ class EntroKVLlama(llama_cpp.Llama):
         if self.config.policy == "full":
             raise ValueError("the full policy never evicts: the cache is too small for this conversation")
         t0 = time.perf_counter()
-        hook = (lambda tp, cells: self.recall.on_evict(self, tp, cells)) if self.recall else None
-        res = (controller or self.controller).evict(self, scores, n_keep=N, before_compact=hook)
+        keeper = self.recall or self._aside             # where the dropped tokens go (a temporary one: the read's)
+        aside = keeper.store if reselect and keeper else None
+        if reselect and not self.recall:
+            keeper = None                               # the read's store is dropped right after this eviction
+        hook = (lambda tp, cells: keeper.on_evict(self, tp, cells)) if keeper else None
+        res = (controller or self.controller).evict(self, scores, n_keep=N, before_compact=hook, aside=aside)
+        self.n_reselected += res.metrics.get("reselected_tokens", 0)
         if self.recall:
             self.recall.n_keep = geometry(self).n_compacted
         self.eviction_s += time.perf_counter() - t0
@@ -348,8 +359,20 @@ class EntroKVLlama(llama_cpp.Llama):
             self._window_scores = None      # observed on tokens that are gone (a prefix reuse cut them)
         self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
         self._ensure_ids(self.n_tokens + len(tokens))
+        splits = len(tokens) > self.kv_cells - self._used()       # read in pieces, with evictions in between
+        reselect = splits and self.config.reselect and self.config.policy not in ("streaming", "full")
+        if reselect and not self.recall:    # what the pieces' evictions drop, set aside in a file until the prompt is read
+            cfg = self.config
+            self._aside = Recall(RecallConfig(directory=tempfile.gettempdir()), lambda: cfg)
+        try:
+            self._read_pieces(tokens, guide, splits, reselect)
+        finally:
+            if self._aside is not None:
+                self._aside.reset()
+                self._aside = None
+
+    def _read_pieces(self, tokens: list[int], guide, splits: bool, reselect: bool) -> None:
         w, total, done = self.config.window, len(tokens), 0
-        splits = total > self.kv_cells - self._used()       # read in pieces, with evictions in between
         guide = self._guide_tokens(tokens, guide) if splits else []
         g_room = len(guide) + (self.config.guide_draft if guide else 0)    # what the guide and its draft take
         tail = self.config.lookahead if splits and total >= w else 0        # the final eviction's draft
@@ -378,8 +401,12 @@ class EntroKVLlama(llama_cpp.Llama):
                 self._window_scores = self.controller.draft_scores(self, self._window_scores, super().eval, stats)
                 self.eviction_s += time.perf_counter() - t0
                 self.n_drafted += stats.get("drafted", 0)
-            self.evict()                        # after a prompt: down to the budget
-        if self.recall and self.recall.n_keep:  # a new turn: its last queries bring back the pages they want
+            reselect = self._evict(reselect=reselect).metrics["reselected"]    # after a prompt: down to the budget
+        else:
+            reselect = False
+        # a new turn: its last queries bring back the pages they want (not after a reselect of the turn's own
+        # eviction: its question has chosen among everything the store held)
+        if self.recall and self.recall.n_keep and not reselect:
             ws = self._turn_scores or self._window_scores
             if ws is not None and ws.queries is not None and ws.pos_last == self.n_tokens - 1:
                 self._turn_scores = None
@@ -532,7 +559,8 @@ class EntroKVLlama(llama_cpp.Llama):
                 "kv_bytes_kept": sum(x["bytes_held"] for x in layers),
                 "kv_bytes_allocated": g.kv_size * g.bytes_per_cell, "evictions": self.n_evictions,
                 "eviction_s": self.eviction_s, "guided_evictions": self.n_guided, "guide_s": self.guide_s,
-                "drafted_tokens": self.n_drafted, "recall": self._recall_report(), "layers": layers}
+                "drafted_tokens": self.n_drafted, "reselected_tokens": self.n_reselected,
+                "recall": self._recall_report(), "layers": layers}
 
     def _recall_report(self) -> dict:
         """What the recall tier holds and did: off, or the store's tokens per group buffer, its pages,
