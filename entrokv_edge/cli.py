@@ -186,6 +186,10 @@ def _parse_value(key: str, text: str):
     kinds = set(typing.get_args(hints[key])) or {hints[key]}
     if text.lower() in ("none", "null") and type(None) in kinds:
         return None
+    if bool in kinds:
+        if text.lower() not in ("true", "false"):
+            raise CLIError(f"--set {key}: expected true or false, got {text!r}")
+        return text.lower() == "true"
     if key == "budget":
         try:
             return _budget(text)
@@ -397,7 +401,8 @@ def cmd_run(args) -> int:
            "kept_tokens": rep["kept_tokens"], "kv_cells": rep["kv_cells"], "kv_bytes_full": rep["kv_bytes_full"],
            "kv_bytes_kept": rep["kv_bytes_kept"], "uor_mean": m.get("uor_mean"), "uor_max": m.get("uor_max"),
            "evictions": rep["evictions"], "eviction_s": rep["eviction_s"], "guided_evictions": rep["guided_evictions"],
-           "guide_s": rep["guide_s"], "prefill_tok_s": n_prefill / max(t_pre, 1e-9),
+           "guide_s": rep["guide_s"], "reselected_tokens": rep["reselected_tokens"],
+           "prefill_tok_s": n_prefill / max(t_pre, 1e-9),
            "decode_tok_s": n_dec / max(t_dec, 1e-9) if n_dec else 0.0, "recall": rep["recall"]}
     if args.json:
         print(json.dumps(out))

@@ -78,16 +78,23 @@ def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc, tmp_path):
     assert all(d["answer"].strip() for d in runs.values())
 
 
-@pytest.mark.parametrize("extra", [[], ["--set", "value_power=2"], ["--set", "lookahead=8"]])
+@pytest.mark.parametrize("extra", [[], ["--set", "value_power=2"], ["--set", "lookahead=8"],
+                                   ["--set", "reselect=false"]])
 def test_a_prompt_longer_than_the_cache_runs(smollm2, doc, extra):
     """Evictions between chunks of the prompt: every one after the first works on a cache that
     was evicted before (value_power: the norms mapped from cells to true positions; lookahead:
-    the draft after the prompt's last piece, on a cache evicted before)."""
+    the draft after the prompt's last piece, on a cache evicted before). The eviction after the
+    prompt chooses among the tokens earlier ones set aside too, unless reselect is off (or
+    value_power is on, whose values of set-aside tokens are not read)."""
     rc, out, err = cli("run", "-m", smollm2, "-f", doc, "-p", "Which line is first?", "--kv-cells", 512,
                        "--budget", 256, "--json", "--max-tokens", 4, *extra)
     assert rc == 0, err
     d = json.loads(out)
     assert d["logical_tokens"] > 512 >= d["kept_tokens"] and d["evictions"] >= 2 and d["eviction_s"] > 0
+    assert (d["reselected_tokens"] > 0) == (extra in ([], ["--set", "lookahead=8"]))
+    if extra == []:
+        rc, _, err = cli("run", "-m", smollm2, "-f", doc, "-p", "Which?", "--set", "reselect=maybe")
+        assert rc != 0 and "--set reselect: expected true or false, got 'maybe'" in err
 
 
 def test_inspect_text_json_and_png(smollm2, doc, tmp_path):
