@@ -326,7 +326,8 @@ def long_prompt_section(d) -> str:
         s.append(_table(["model", "length", "cells", "prompts", "full right"] + configs, table))
         got = {c: {(key(r), r["cells"]): r["correct"] for r in sr if r["config"] == c} for c in configs}
         # round 4's guided+recall rows ran on the guided read before guide_consensus (round 5): "guide-consensus0"
-        for a, b in (("guided", "piecewise"), ("guided", "guide-consensus0"), ("guided+recall", "guide-consensus0")):
+        for a, b in (("guided", "piecewise"), ("guided", "guide-consensus0"), ("guided", "reselect0"),
+                     ("guided+recall", "guide-consensus0")):
             if a in got and b in got:
                 both = [k for k in got[a] if k in got[b]]
                 if not both:
@@ -374,19 +375,19 @@ def long_prompt_section(d) -> str:
         for mdl in sorted({r["model"] for r in fr}):
             mr = [r for r in fr if r["model"] == mdl]
             mean = {c: float(np.mean(v)) if (v := [r["kl_mean"] for r in mr if r["config"] == c]) else float("nan")
-                    for c in ("one eviction", "piecewise", "guide-consensus0", "guided")}
+                    for c in ("one eviction", "piecewise", "guide-consensus0", "reselect0", "guided")}
             table.append([mdl, sum(r["config"] == "guided" for r in mr), mr[0]["cells"], mr[0].get("kept_tokens"),
-                          mean["one eviction"], mean["piecewise"], mean["guide-consensus0"], mean["guided"],
-                          f"{mean['guided'] / max(mean['one eviction'], 1e-12):.2f}x", paired(mr, "guided", "piecewise"),
-                          paired(mr, "guided", "guide-consensus0")])
+                          mean["one eviction"], mean["piecewise"], mean["guide-consensus0"], mean["reselect0"],
+                          mean["guided"], f"{mean['guided'] / max(mean['one eviction'], 1e-12):.2f}x",
+                          paired(mr, "guided", "piecewise"), paired(mr, "guided", "reselect0")])
         s.append("**Fidelity through a cache of a quarter of the prompt** (the fidelity judge's QA and code prompts, "
                  "question at the end; KL(full || evicted) along the full cache's 64-token answer; \"one eviction\": "
                  "the whole prompt in the cache, evicted once after it to the same number of tokens; "
-                 "\"guide-consensus0\": the guided read without `guide_consensus`, as before round 5; the ratio is "
-                 "taken within the guided rows' run):\n\n")
+                 "\"guide-consensus0\": the guided read without `guide_consensus`, as before round 5; \"reselect0\": "
+                 "without `reselect`, as before round 6; the ratio is taken within the guided rows' run):\n\n")
         s.append(_table(["model", "prompts", "cells", "kept", "one eviction KL", "piecewise KL", "guide-consensus0 KL",
-                         "guided KL", "guided / one eviction", "guided vs piecewise (wins-losses)",
-                         "guided vs guide-consensus0"], table))
+                         "reselect0 KL", "guided KL", "guided / one eviction", "guided vs piecewise (wins-losses)",
+                         "guided vs reselect0"], table))
         s.append("\nThe goal: guided within 1.5x of one eviction's mean KL.\n\n")
         rc = [r for r in fr if r["config"] == "guided+recall"]
         if rc:      # round 4's rows; the same run's reads without recall were replaced by later runs (research.md)

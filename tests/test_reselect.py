@@ -9,17 +9,7 @@ from entrokv_edge.bindings import read_cells
 from entrokv_edge.controller.reselect import UnionScores, resident
 from entrokv_edge.runtime.recall import Store
 from helpers import logits
-
-SETTINGS = dict(budget=64, page_size=8, window=16, verbose=False, seed=0, n_threads=2, n_threads_batch=2)
-
-
-@pytest.fixture
-def model(synth_models):
-    return str(synth_models["llama-r3"])
-
-
-def prompt(n, seed=0):
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 300, n)]
+from test_runtime import SETTINGS, model, prompt  # noqa: F401 - the synthetic model fixture, its settings, prompts
 
 
 def final_evictions(monkeypatch):
@@ -133,3 +123,13 @@ def test_reselect_off_reads_as_before_and_the_option_is_checked(model):
     with pytest.raises(ValueError, match="reselect=True"):
         ek.EvictionConfig(policy="page-entrokv", reselect=True)
     assert ek.EvictionConfig(policy="page-entrokv").reselect is False
+
+
+def test_without_a_writable_temporary_directory_the_prompt_is_read_without_reselect(model, monkeypatch, tmp_path):
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    llm = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+    llm.eval(prompt(1000, 6))
+    rep = llm.kv_report()
+    assert rep["evictions"] >= 4 and rep["reselected_tokens"] == 0 and rep["kept_tokens"] == 64
+    assert llm._aside is None and not llm.last_eviction.metrics["reselected"]

@@ -363,7 +363,12 @@ class EntroKVLlama(llama_cpp.Llama):
         reselect = splits and self.config.reselect and self.config.policy not in ("streaming", "full")
         if reselect and not self.recall:    # what the pieces' evictions drop, set aside in a file until the prompt is read
             cfg = self.config
-            self._aside = Recall(RecallConfig(directory=tempfile.gettempdir()), lambda: cfg)
+            try:
+                aside = Recall(RecallConfig(directory=tempfile.gettempdir()), lambda: cfg)
+                aside.store = aside._new_store(geometry(self))
+                self._aside = aside
+            except (ValueError, OSError):   # layers of other K/V head sizes, no writable temporary directory:
+                pass                        # the prompt is read without (the eviction after it as before)
         try:
             self._read_pieces(tokens, guide, splits, reselect)
         finally:
