@@ -146,11 +146,13 @@ class SoakLlama(ek.EntroKVLlama, _Probe):
 
 
 def make(path: str, cells: int, threads: int, **settings) -> SoakLlama:
-    """The soak's context and its oracle: F32 K and V, one batch size, the same threads."""
+    """The soak's context and its oracle: F32 K and V, one batch size, the same threads. The oracle rewrites
+    the cells an eviction keeps, so ``reselect`` is off by default here: a reselect also brings back rows an
+    earlier eviction set aside, which tests/test_reselect.py checks against the stored rows instead."""
     common = dict(n_ctx=cells, n_batch=512, n_ubatch=512, type_k=0, type_v=0, n_threads=threads,
                   n_threads_batch=threads, verbose=False, seed=0)
     oracle = ek.llama_cpp.Llama(path, **common)
-    return SoakLlama(path, oracle, **common, **settings)
+    return SoakLlama(path, oracle, **common, **{"reselect": False, **settings})
 
 
 def greedy_token(lg: np.ndarray, stop: set) -> int:
