@@ -103,6 +103,8 @@ mean KL and wins more paired comparisons than it loses on both SmolLM2 and Qwen2
 and the held-out needles then run once with it, paired against "reselect0" (the guided read of round 5).
 Round 6's outcome (ebeb99b, one thread, docs/research.md): on the judge, mean KL 0.053 against reselect0's 0.074
 on SmolLM2 (11-1; one eviction 0.049, so 1.08x) and 0.346 against 0.508 on Qwen2.5 (9-3; 1.13x).
+Held-out needles, SmolLM2 at 8k: 1 of the full cache's 4 right reads kept (depth 95 lost at 2048 cells, which
+reselect0 keeps on this build; depth 55 lost at both caches, as before); Gemma 3 and Qwen2.5 not rerun.
 """
 from __future__ import annotations
 
