@@ -96,24 +96,23 @@ class EvictionController:
         L, H = scores.scores.shape[:2]
         G = g.layers[0].n_head_kv
         r = H // G
-        fresh = g.n_compacted == 0 and g.n_used == n and scores.pos_last == g.pos_max
-        if fresh:   # cells are positions: no mapping needed
-            available, tp_now = None, None
-            layer_scores = lambda l: scores.scores[l, :, :n]        # noqa: E731
-        else:
-            tp_now = true_positions(llm)
-            present = self._by_position(tp_now, n, tp_now >= 0).reshape(L, G, n)
-            available = page_scores(present.astype(np.float32), cfg.page_size, "max") > 0
-            layer_scores = lambda l: self._layer_scores_by_position(scores, present, l, n, H, r)    # noqa: E731
         union = None
         if cfg.reselect and aside is not None and aside.n_tokens and scores.queries is not None \
-                and cfg.value_power == 0 and cfg.policy != "full" and scores.pos_last == g.pos_max:
-            tp_now = true_positions(llm) if tp_now is None else tp_now
+                and cfg.value_power == 0 and scores.pos_last == g.pos_max:     # the set-aside tokens are scored too
+            fresh, tp_now = False, true_positions(llm)
             union = UnionScores(*resident(llm, g, tp_now, aside), aside, scores.queries, scores.pos_last,
                                 scores.draft_queries if cfg.lookahead else None, cfg.lookahead_share, n)
             present = union.present().reshape(L, G, n)
-            available = page_scores(present.astype(np.float32), cfg.page_size, "max") > 0
-            layer_scores, fresh = union.layer, False
+            layer_scores = union.layer
+        else:
+            fresh = g.n_compacted == 0 and g.n_used == n and scores.pos_last == g.pos_max
+            tp_now = None if fresh else true_positions(llm)
+            if fresh:   # cells are positions: no mapping needed
+                layer_scores = lambda l: scores.scores[l, :, :n]        # noqa: E731
+            else:
+                present = self._by_position(tp_now, n, tp_now >= 0).reshape(L, G, n)
+                layer_scores = lambda l: self._layer_scores_by_position(scores, present, l, n, H, r)    # noqa: E731
+        available = None if fresh else page_scores(present.astype(np.float32), cfg.page_size, "max") > 0
         values = self._values_by_position(llm, tp_now, n, L, G) if cfg.value_power > 0 else None
         sel = select_layers(layer_scores, L, r, cfg, n, available=available, n_keep=n_keep, values=values)
         positions = pages_to_positions(sel.pages, cfg.page_size, n)

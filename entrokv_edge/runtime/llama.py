@@ -208,10 +208,9 @@ class EntroKVLlama(llama_cpp.Llama):
         if self.config.policy == "full":
             raise ValueError("the full policy never evicts: the cache is too small for this conversation")
         t0 = time.perf_counter()
-        keeper = self.recall or self._aside             # where the dropped tokens go (a temporary one: the read's)
-        aside = keeper.store if reselect and keeper else None
-        if reselect and not self.recall:
-            keeper = None                               # the read's store is dropped right after this eviction
+        store = self.recall or self._aside              # what holds the dropped tokens (the read's own, or recall's)
+        aside = store.store if reselect and store else None
+        keeper = self.recall or (None if reselect else self._aside)     # the read's own is dropped after its last
         hook = (lambda tp, cells: keeper.on_evict(self, tp, cells)) if keeper else None
         res = (controller or self.controller).evict(self, scores, n_keep=N, before_compact=hook, aside=aside)
         self.n_reselected += res.metrics.get("reselected_tokens", 0)
@@ -360,7 +359,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
         self._ensure_ids(self.n_tokens + len(tokens))
         splits = len(tokens) > self.kv_cells - self._used()       # read in pieces, with evictions in between
-        reselect = splits and self.config.reselect and self.config.policy not in ("streaming", "full")
+        reselect = splits and self.config.reselect          # (an entrokv-edge option: a scored policy)
         if reselect and not self.recall:    # what the pieces' evictions drop, set aside in a file until the prompt is read
             cfg = self.config
             try:
@@ -406,12 +405,12 @@ class EntroKVLlama(llama_cpp.Llama):
                 self._window_scores = self.controller.draft_scores(self, self._window_scores, super().eval, stats)
                 self.eviction_s += time.perf_counter() - t0
                 self.n_drafted += stats.get("drafted", 0)
-            reselect = self._evict(reselect=reselect).metrics["reselected"]    # after a prompt: down to the budget
+            reselected = self._evict(reselect=reselect).metrics["reselected"]    # after a prompt: down to the budget
         else:
-            reselect = False
+            reselected = False
         # a new turn: its last queries bring back the pages they want (not after a reselect of the turn's own
         # eviction: its question has chosen among everything the store held)
-        if self.recall and self.recall.n_keep and not reselect:
+        if self.recall and self.recall.n_keep and not reselected:
             ws = self._turn_scores or self._window_scores
             if ws is not None and ws.queries is not None and ws.pos_last == self.n_tokens - 1:
                 self._turn_scores = None
