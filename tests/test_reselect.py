@@ -24,7 +24,8 @@ def final_evictions(monkeypatch):
             tp = ek.true_positions(llm)
             stored = [{int(p): (st.k[s][j].tobytes(), st.v[s][j].tobytes()) for j, p in enumerate(st.pos[s])}
                       for s in range(tp.shape[0])]
-            seen.append({"tp": tp, "stored": stored, "scores": scores, "n": int(ek.geometry(llm).pos_max) + 1})
+            seen.append({"tp": tp, "stored": stored, "scores": scores, "n": int(ek.geometry(llm).pos_max) + 1,
+                         "digest_bytes": st.nbytes()["digests"]})
         res = evict(self, llm, scores, **kw)
         if st is not None:
             seen[-1]["res"] = res
@@ -43,6 +44,7 @@ def test_a_reselect_brings_set_aside_tokens_back_with_their_exact_rows(model, ty
     res = seen[0]["res"]
     assert res.metrics["reselected"] and rep["reselected_tokens"] == res.metrics["reselected_tokens"] > 0
     assert llm._aside is None                                      # the read's store is gone with the read
+    assert seen[0]["digest_bytes"] == 0                            # and it kept rows only (no recall digests)
     g = ek.geometry(llm)
     assert g.n_used == g.n_compacted == 64 == rep["kept_tokens"]   # the budget, exactly, in every buffer
     tp = ek.true_positions(llm)[:, :64]
@@ -80,7 +82,7 @@ def test_the_union_scores_are_the_observers_attention_over_the_same_keys(model, 
                        lay.v_bytes_per_cell // lay.n_head_kv, lay.head_dim_k)
             kr, pr = resident(llm, g, tp, st)
             st.add(pr[:, :m], k.reshape(g.n_slots, m, -1), v.reshape(g.n_slots, m, -1))
-            union = UnionScores(kr[:, m:], pr[:, m:], st, ws.queries, ws.pos_last, None, 0.0, n)
+            union = UnionScores(lambda s: kr(s)[:, m:], pr[:, m:], st, ws.queries, ws.pos_last, None, 0.0, n)
             L, H = ws.scores.shape[:2]
             present = union.present().reshape(L, -1, n)
             assert (present.sum(-1) == pr.shape[1]).all()

@@ -32,8 +32,8 @@ class UnionScores:
     """Scores by true position over the resident and the set-aside tokens, one layer at a time (what
     ``select_layers`` asks for).
 
-    ``resident_keys`` float32 [S, n_res, d] at ``resident_pos`` int32 [S, n_res] (every slot holds the same
-    number of cells); ``store``: the set-aside tokens; ``queries`` float32 [L, w, H, d] (the window's, the last
+    ``resident_keys``: slots [m] -> their cached keys float32 [m, n_res, d], at ``resident_pos`` int32
+    [S, n_res] (every slot holds the same number of cells; read a layer at a time); ``store``: the set-aside tokens; ``queries`` float32 [L, w, H, d] (the window's, the last
     at ``pos_last``); ``draft`` float32 [L, k, H, d] or None (the drafted tokens', right after it);
     ``share``: lookahead_share (0: each query one vote)."""
 
@@ -44,7 +44,7 @@ class UnionScores:
         self.qpos = pos_last - w + 1 + np.arange(w)
         self.dpos = None if draft is None else pos_last + 1 + np.arange(draft.shape[1])
         L, H = queries.shape[0], queries.shape[2]
-        self.G = resident_keys.shape[0] // L
+        self.G = resident_pos.shape[0] // L
         self.r = H // self.G
 
     def present(self) -> np.ndarray:
@@ -61,12 +61,13 @@ class UnionScores:
         G, r, st = self.G, self.r, self.store
         out = np.zeros((G * r, self.n))
         M = st.pos.shape[1]
+        kr = self.kr(l * G + np.arange(G))                                          # [G, n_res, d]
         for gi in range(G):
             s = l * G + gi
             heads = gi * r + np.arange(r)
             e = np.arange(M)
             ks = st.keys(st.k.gather(np.full_like(e, s), e))                      # [M, d]
-            k = np.concatenate([self.kr[s], ks]).astype(np.float32, copy=False)
+            k = np.concatenate([kr[gi], ks]).astype(np.float32, copy=False)
             kpos = np.concatenate([self.pr[s], st.pos[s]])
             a = _softmax_mean(np.ascontiguousarray(self.q[l][:, heads]), k, kpos, self.qpos)
             if self.draft is not None:
@@ -77,13 +78,20 @@ class UnionScores:
         return out
 
 
-def resident(llm, g, tp_now: np.ndarray, store) -> tuple[np.ndarray, np.ndarray]:
-    """The cache's keys as floats [S, n_res, d] and their true positions [S, n_res] (every slot holds as many
-    cells: a token fills one cell in all)."""
+def resident(llm, g, tp_now: np.ndarray, store):
+    """The cache's keys, as a function of slots [m] -> float32 [m, n_res, d] read from the cache when asked
+    (a layer's at a time, not every layer's at once), and their true positions int32 [S, n_res] (every slot
+    holds as many cells: a token fills one cell in all)."""
     cells = [np.flatnonzero(t >= 0).astype(np.int32) for t in tp_now]
-    k, _ = read_cells(llm, cells, g, buffers=True, keys_only=True)
-    S = g.n_slots
-    return store.keys(k.reshape(S, cells[0].size, -1)), np.stack([t[c] for t, c in zip(tp_now, cells)])
+    none = np.zeros(0, np.int32)
+
+    def keys(slots: np.ndarray) -> np.ndarray:
+        want = set(np.asarray(slots).tolist())
+        k, _ = read_cells(llm, [c if s in want else none for s, c in enumerate(cells)], g, buffers=True,
+                          keys_only=True)                  # slot after slot, in slot order
+        order = np.argsort(np.argsort(slots))               # each asked slot's place among them sorted
+        return store.keys(k.reshape(len(want), cells[0].size, -1))[order]
+    return keys, np.stack([t[c] for t, c in zip(tp_now, cells)])
 
 
 def swap_in(llm, g, tp_now: np.ndarray, keep_pos: np.ndarray, store) -> int:

@@ -28,7 +28,7 @@ from ..controller.guide import guide_scores
 from .._loader import ensure_llama_cpp
 from . import session
 from ..controller.lookahead import draft_room, restore_tail
-from .recall import Recall, RecallConfig, recall_config
+from .recall import Recall, Store, new_store, recall_config, set_aside
 
 llama_cpp = ensure_llama_cpp()
 
@@ -148,7 +148,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self.guide_s = 0.0             # wall time spent evaluating the guide (and its draft) for them
         self.n_drafted = 0             # tokens drafted to score evictions (lookahead's, the guide's), then removed
         self.n_reselected = 0          # set-aside tokens a reselect brought back (all (layer, KV group) buffers)
-        self._aside: Recall | None = None   # while a prompt is read in pieces without recall: what its evictions drop
+        self._aside: Store | None = None    # while a prompt is read in pieces without recall: what its evictions drop
         me = weakref.ref(self)          # no cycle through the recall: the model is freed when the instance goes
         self.recall = Recall(recall_cfg, lambda: me().config) if recall_cfg else None
         self._recall_obs: Observation | None = None     # window 1 over decoded tokens, while generating
@@ -208,10 +208,13 @@ class EntroKVLlama(llama_cpp.Llama):
         if self.config.policy == "full":
             raise ValueError("the full policy never evicts: the cache is too small for this conversation")
         t0 = time.perf_counter()
-        store = self.recall or self._aside              # what holds the dropped tokens (the read's own, or recall's)
-        aside = store.store if reselect and store else None
-        keeper = self.recall or (None if reselect else self._aside)     # the read's own is dropped after its last
-        hook = (lambda tp, cells: keeper.on_evict(self, tp, cells)) if keeper else None
+        aside = (self.recall.store if self.recall else self._aside) if reselect else None  # recall's, or the read's own
+        if self.recall:
+            hook = lambda tp, cells: self.recall.on_evict(self, tp, cells)      # noqa: E731
+        elif self._aside is not None and not reselect:      # (the read's own is dropped after its last eviction)
+            hook = lambda tp, cells: set_aside(self, self._aside, tp, cells)    # noqa: E731
+        else:
+            hook = None
         res = (controller or self.controller).evict(self, scores, n_keep=N, before_compact=hook, aside=aside)
         self.n_reselected += res.metrics.get("reselected_tokens", 0)
         if self.recall:
@@ -361,18 +364,15 @@ class EntroKVLlama(llama_cpp.Llama):
         splits = len(tokens) > self.kv_cells - self._used()       # read in pieces, with evictions in between
         reselect = splits and self.config.reselect          # (an entrokv-edge option: a scored policy)
         if reselect and not self.recall:    # what the pieces' evictions drop, set aside in a file until the prompt is read
-            cfg = self.config
-            try:
-                aside = Recall(RecallConfig(directory=tempfile.gettempdir()), lambda: cfg)
-                aside.store = aside._new_store(geometry(self))
-                self._aside = aside
+            try:    # rows only: a reselect reads no digests
+                self._aside = new_store(geometry(self), self.config.page_size, tempfile.gettempdir(), digests=False)
             except (ValueError, OSError):   # layers of other K/V head sizes, no writable temporary directory:
                 pass                        # the prompt is read without (the eviction after it as before)
         try:
             self._read_pieces(tokens, guide, splits, reselect)
         finally:
             if self._aside is not None:
-                self._aside.reset()
+                self._aside.close()
                 self._aside = None
 
     def _read_pieces(self, tokens: list[int], guide, splits: bool, reselect: bool) -> None:

@@ -207,11 +207,13 @@ class Store:
     [S, pages]: the sum of the keys (as floats) and the number of tokens of each page of true
     positions in the store; ``means_t`` float32 [S, head_dim, pages]: the digest, sums / counts (transposed,
     for the matrix products); ``table()`` int32 [S, pages, page
-    size]: the entry holding each true position (-1: none). Positions and digests stay in memory."""
+    size]: the entry holding each true position (-1: none). Positions and digests stay in memory.
+    ``digests=False``: a store that only holds rows (what a reselect reads): no sums, counts or means kept,
+    and ``table()`` not available."""
 
     def __init__(self, n_slots: int, page_size: int, type_k: str, k_width: int, v_width: int, head_dim: int,
-                 directory: str | None = None):
-        self.page, self.type_k, self.head_dim = page_size, type_k, head_dim
+                 directory: str | None = None, digests: bool = True):
+        self.page, self.type_k, self.head_dim, self.digests = page_size, type_k, head_dim, digests
         self.file = None
         if directory is not None:     # a file of ours without a name: gone with the store, nothing of the user's touched
             import tempfile
@@ -252,7 +254,7 @@ class Store:
 
     def _account(self, si: np.ndarray, pos: np.ndarray, kf: np.ndarray, sign: int) -> None:
         """Add (sign +1) or remove (-1) tokens (slot si[i], position pos[i], key kf[i]) from the digests."""
-        if not pos.size:
+        if not pos.size or not self.digests:
             return
         pages = pos // self.page
         top = int(pages.max(initial=-1)) + 1
@@ -289,7 +291,7 @@ class Store:
             self.k.pop()
             raise
         step = max(1, (4 << 20) // max(1, m * self.head_dim * 4))     # the keys as floats, ~4 MiB at a time
-        for a in range(0, S, step):
+        for a in range(0, S if self.digests else 0, step):
             b = min(S, a + step)
             si = np.repeat(np.arange(a, b), m)
             self._account(si, pos[a:b].ravel(), self.keys(k[a:b]).reshape(-1, self.head_dim), +1)
@@ -298,6 +300,8 @@ class Store:
 
     def table(self) -> np.ndarray:
         """int32 [S, pages, page size]: the entry of each true position, -1 where the store has none."""
+        if not self.digests:
+            raise ValueError("a store without digests keeps no table of pages")
         S, npg = self.counts.shape
         if self._table is None:
             self._table = np.full((S, npg, self.page), -1, np.int32)
@@ -313,8 +317,9 @@ class Store:
         """Entries (si[i], e[i]), whose keys as floats are kf_old[i], become the tokens (pos, k, v) (their
         keys as floats kf_new, when the caller has them)."""
         old = self.pos[si, e]
-        self._account(si, old, kf_old, -1)
-        self._account(si, pos, self.keys(k) if kf_new is None else kf_new, +1)
+        if self.digests:
+            self._account(si, old, kf_old, -1)
+            self._account(si, pos, self.keys(k) if kf_new is None else kf_new, +1)
         if self._table is not None:
             t = self.table()                # as many pages as the digests now
             t[si, old // self.page, old % self.page] = -1
@@ -348,6 +353,34 @@ def _segment_sums(x: np.ndarray, order: np.ndarray, starts: np.ndarray, n: np.nd
 SHORT = 64
 
 
+def new_store(g, page_size: int, directory: str | None = None, digests: bool = True) -> Store:
+    """An empty store for the cache of geometry ``g`` (ValueError when its layers differ in K or V head
+    sizes; OSError when no file can be made in ``directory``)."""
+    kw = {l.k_bytes_per_cell // l.n_head_kv for l in g.layers}
+    vw = {l.v_bytes_per_cell // l.n_head_kv for l in g.layers}
+    hd = {l.head_dim_k for l in g.layers}
+    if len(kw) != 1 or len(vw) != 1 or len(hd) != 1:
+        raise ValueError("recall needs every eligible layer to have the same K and V head sizes")
+    return Store(g.n_slots, page_size, g.type_k, kw.pop(), vw.pop(), hd.pop(), directory, digests)
+
+
+def set_aside(llm, store: Store, tp_now: np.ndarray | None, cells: np.ndarray, g=None) -> None:
+    """Before a compaction that keeps ``cells`` [n_slots, K] (tp_now: the slots' true positions, None when
+    cells are positions): the slots' other tokens go to ``store``."""
+    g = g or geometry(llm)
+    if tp_now is None:
+        tp_now = true_positions(llm)
+    held = tp_now >= 0
+    held[np.arange(g.n_slots)[:, None], cells] = False
+    gone = [np.flatnonzero(h).astype(np.int32) for h in held]
+    if not gone[0].size:
+        return
+    k, v = read_cells(llm, gone, g, buffers=True)      # every slot loses as many tokens: [S, m, width] as read
+    m = gone[0].size
+    store.add(np.stack([tp_now[s][gone[s]] for s in range(g.n_slots)]),
+              k.reshape(g.n_slots, m, -1), v.reshape(g.n_slots, m, -1))
+
+
 class Recall:
     """Observes decoded tokens (``observe``, an Observation handler with window 1), swaps stored
     pages into the cache (``step`` every ``every`` tokens, ``turn`` at a new turn)."""
@@ -379,12 +412,7 @@ class Recall:
         # pages, which the next eviction selects from
         P = self.eviction.page_size
         self.page = -(-self.config.page_size // P) * P
-        kw = {l.k_bytes_per_cell // l.n_head_kv for l in g.layers}
-        vw = {l.v_bytes_per_cell // l.n_head_kv for l in g.layers}
-        hd = {l.head_dim_k for l in g.layers}
-        if len(kw) != 1 or len(vw) != 1 or len(hd) != 1:
-            raise ValueError("recall needs every eligible layer to have the same K and V head sizes")
-        return Store(g.n_slots, self.page, g.type_k, kw.pop(), vw.pop(), hd.pop(), self.config.directory)
+        return new_store(g, self.page, self.config.directory)
 
     def on_evict(self, llm, tp_now: np.ndarray | None, cells: np.ndarray) -> None:
         """Before a compaction that keeps ``cells`` [n_slots, K] (tp_now: the slots' true positions,
@@ -393,20 +421,10 @@ class Recall:
         self.n_at_eviction = g.pos_max + 1
         if self.store is None:
             self.store = self._new_store(g)
-        if tp_now is None:
-            tp_now = true_positions(llm)
-        held = tp_now >= 0
-        held[np.arange(g.n_slots)[:, None], cells] = False
-        gone = [np.flatnonzero(h).astype(np.int32) for h in held]
         self.steps.clear()
         self.held = None
         self._keys = self._keys_pos = None    # compaction moves the cells
-        if not gone[0].size:
-            return
-        k, v = read_cells(llm, gone, g, buffers=True)      # every slot loses as many tokens: [S, m, width] as read
-        m = gone[0].size
-        self.store.add(np.stack([tp_now[s][gone[s]] for s in range(g.n_slots)]),
-                       k.reshape(g.n_slots, m, -1), v.reshape(g.n_slots, m, -1))
+        set_aside(llm, self.store, tp_now, cells, g)
 
     def reset(self) -> None:
         if self.store is not None:
