@@ -94,13 +94,15 @@ def resident(llm, g, tp_now: np.ndarray, store):
     return keys, np.stack([t[c] for t, c in zip(tp_now, cells)])
 
 
-def swap_in(llm, g, tp_now: np.ndarray, keep_pos: np.ndarray, store) -> int:
+def swap_in(llm, g, tp_now: np.ndarray, keep_pos: np.ndarray, store, chunk_rows: int = 16384) -> int:
     """Per slot, the kept true positions keep_pos [S, K] that the cache does not hold come back from
     ``store``: each is written into a compacted cell whose token is not kept, and that token takes its
-    entry in the store. Returns the tokens brought back (all slots)."""
+    entry in the store. Everything is checked before anything moves; the rows then move a few slots at a
+    time (about ``chunk_rows`` tokens: the rows in flight stay a few MiB whatever the prompt's length).
+    Returns the tokens brought back (all slots)."""
     S, n_comp = g.n_slots, g.n_compacted
     n = int(max(tp_now.max(), keep_pos.max(), store.pos.max(initial=-1))) + 1
-    cells, pos_in, si, e = [], [], [], []
+    cells, ents = [], []
     for s in range(S):
         want = np.zeros(n, bool)
         want[keep_pos[s]] = True
@@ -114,17 +116,23 @@ def swap_in(llm, g, tp_now: np.ndarray, keep_pos: np.ndarray, store) -> int:
         if free.size < ent.size:
             raise ValueError("no compacted cell left to bring a set-aside token back into")
         cells.append(free)
-        pos_in.append(store.pos[s, ent])
-        si.append(np.full(ent.size, s))
-        e.append(ent)
-    si, e = np.concatenate(si), np.concatenate(e)
-    if not si.size:
-        return 0
-    out_k, out_v = read_cells(llm, cells, g, buffers=True)     # the displaced tokens, before they are overwritten
-    k_in, v_in = store.k.gather(si, e), store.v.gather(si, e)
-    kf_in = store.keys(k_in)
-    write_cells(llm, cells, np.concatenate(pos_in), k_in, v_in, g)
-    cs = np.concatenate(cells)
-    out_pos = tp_now[si, cs]
-    store.replace(si, e, out_pos, out_k.reshape(si.size, -1), out_v.reshape(si.size, -1), kf_in)
-    return int(si.size)
+        ents.append(ent)
+    none = np.zeros(0, np.int32)
+    counts = np.array([e.size for e in ents])
+    first = 0
+    while first < S:
+        last = first + 1
+        while last < S and counts[first: last + 1].sum() <= chunk_rows:
+            last += 1
+        part = [cells[s] if first <= s < last else none for s in range(S)]
+        si = np.repeat(np.arange(first, last), counts[first: last])
+        if si.size:
+            e = np.concatenate(ents[first: last])
+            out_k, out_v = read_cells(llm, part, g, buffers=True)    # the displaced tokens, before they are overwritten
+            k_in, v_in = store.k.gather(si, e), store.v.gather(si, e)
+            kf_in = store.keys(k_in) if store.digests else None
+            write_cells(llm, part, store.pos[si, e], k_in, v_in, g)
+            out_pos = tp_now[si, np.concatenate(cells[first: last])]
+            store.replace(si, e, out_pos, out_k.reshape(si.size, -1), out_v.reshape(si.size, -1), kf_in)
+        first = last
+    return int(counts.sum())

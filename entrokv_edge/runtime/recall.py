@@ -194,8 +194,8 @@ def _pread_rows(fd: int, offsets: np.ndarray, width: int, gap: int) -> np.ndarra
             got += n
     run = np.repeat(np.arange(first.size), np.diff(np.r_[0, cut, u.size]))
     at = base[run] + (u - first[run])                        # each unique row's place in buf
-    idx = at[inv][:, None] + np.arange(width)[None, :]
-    return buf[idx].reshape(offsets.shape + (width,))
+    rows = np.lib.stride_tricks.as_strided(buf, (buf.size - width + 1, width), (1, 1), writeable=False)
+    return rows[at[inv]].reshape(offsets.shape + (width,))   # (a row per byte of buf: no index per byte)
 
 
 class Store:
