@@ -34,8 +34,12 @@ def final_evictions(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("type_k", [0, 1], ids=["f32", "f16"])
-def test_a_reselect_brings_set_aside_tokens_back_with_their_exact_rows(model, type_k, monkeypatch):
+@pytest.mark.parametrize("type_k,chunk", [(0, None), (1, None), (1, 7)], ids=["f32", "f16", "f16-chunks"])
+def test_a_reselect_brings_set_aside_tokens_back_with_their_exact_rows(model, type_k, chunk, monkeypatch):
+    if chunk:       # the rows move a few slots at a time: here a slot or two per step
+        import functools
+        import entrokv_edge.controller.controller as C
+        monkeypatch.setattr(C, "swap_in", functools.partial(C.swap_in, chunk_rows=chunk))
     seen = final_evictions(monkeypatch)
     llm = ek.EntroKVLlama(model, n_ctx=256, type_k=type_k, type_v=type_k, **SETTINGS)
     llm.eval(prompt(1000, 3))
