@@ -8,7 +8,7 @@ which keeps the union of its heads' choices padded to the largest union.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 import numpy as np
@@ -24,13 +24,15 @@ class Selection:
     """pages int32 [L, G, N'] (ascending page indices per group), n_budget = N, weights
     [L, H] where the policy has them, the per-head statistics [L, H] they came from, and
     ``head_pages`` int32 [L, H, N]: each query head's own top-N pages (the head-independent
-    replay behind the UOR metrics)."""
+    replay behind the UOR metrics); ``page_scores`` float [L, G, n_pages]: the pooled page scores the
+    pages were chosen by (entrokv-edge and the method's scored policies; None for the others)."""
 
     pages: np.ndarray
     n_budget: int
     weights: np.ndarray | None
     stats: HeadSummary = field(repr=False)
     head_pages: np.ndarray = field(repr=False)
+    page_scores: np.ndarray | None = field(default=None, repr=False)
 
 
 def _token_page_max(x: np.ndarray, P: int) -> np.ndarray:
@@ -241,7 +243,7 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         x = max_pool(s, cfg.pool, fixed, cfg.spread, cfg.decay)
         return token_dist(isolated, x, head_stats(x, cfg.sinks, P))
 
-    w = None
+    w, pi = None, None
     if cfg.policy == "full":
         pages = np.broadcast_to(np.arange(n_pages, dtype=np.int32), (L, G, n_pages)).copy()
     elif cfg.policy == "streaming":
@@ -271,7 +273,7 @@ def select(s: np.ndarray, r: int, cfg: EvictionConfig, n: int | None = None, *,
         pages = union_padded(head_pages, mean if available is None else np.where(available, mean, -np.inf))
     else:  # guarded by EvictionConfig
         raise ValueError(cfg.policy)
-    return Selection(pages=pages, n_budget=N, weights=w, stats=summary, head_pages=head_pages)
+    return Selection(pages=pages, n_budget=N, weights=w, stats=summary, head_pages=head_pages, page_scores=pi)
 
 
 def select_layers(layer_scores: Callable[[int], np.ndarray], L: int, r: int, cfg: EvictionConfig, n: int, *,
@@ -280,23 +282,33 @@ def select_layers(layer_scores: Callable[[int], np.ndarray], L: int, r: int, cfg
     """``select`` one layer at a time, the same selection: ``layer_scores(l)`` gives layer l's scores
     [H, n], so what the policy computes on the way (page sums, pooled scores, distributions: several
     arrays the size of s) is one layer's, not L layers' of the logical length n. Two choices span the
-    layers and take them all at once: head-independent pads every group's union to the longest over
-    all layers, and consensus (> 0) votes over every (layer, group)."""
-    joint = cfg.policy == "head-independent" or (cfg.policy == "entrokv-edge" and cfg.consensus > 0)
-    if joint or L == 0:
+    layers: head-independent pads every group's union to the longest over all layers (its scores are
+    taken all at once), and consensus (> 0) votes over every (layer, group): the layers' pooled page
+    scores are kept (small: [L, G, n_pages]), the vote is taken over them, and each layer's pages are
+    chosen again with the agreed pages kept, as the joint selection does."""
+    if cfg.policy == "head-independent" or L == 0:
         s = np.stack([layer_scores(l) for l in range(L)]) if L else np.zeros((0, 0, n))
         return select(s, r, cfg, n, available=available, n_keep=n_keep, values=values)
+    vote = cfg.policy == "entrokv-edge" and cfg.consensus > 0
+    each = replace(cfg, consensus=0.0) if vote else cfg
     parts = []
     for l in range(L):
-        part = select(layer_scores(l)[None], r, cfg, n, n_keep=n_keep,
+        part = select(layer_scores(l)[None], r, each, n, n_keep=n_keep,
                       available=None if available is None else available[l: l + 1],
                       values=None if values is None else values[l: l + 1])
         parts.append(part)
     cat = lambda xs: np.concatenate(xs, axis=0)      # noqa: E731
+    pages = cat([p.pages for p in parts])
+    pi = None if parts[0].page_scores is None else cat([p.page_scores for p in parts])
+    if vote:
+        N, prot = parts[0].n_budget, cfg.protected(n)
+        m = math.floor(cfg.consensus * (N - len(prot)) + 1e-9)
+        prot = sorted(set(prot) | set(consensus_pages(pi, m, prot, available)))
+        pages = select_pages(pi, N, prot, available)
     w = None if parts[0].weights is None else cat([p.weights for p in parts])
     stats = HeadSummary(*(cat([getattr(p.stats, f.name) for p in parts]) for f in fields(HeadSummary)))
-    return Selection(pages=cat([p.pages for p in parts]), n_budget=parts[0].n_budget, weights=w, stats=stats,
-                     head_pages=cat([p.head_pages for p in parts]))
+    return Selection(pages=pages, n_budget=parts[0].n_budget, weights=w, stats=stats,
+                     head_pages=cat([p.head_pages for p in parts]), page_scores=pi)
 
 
 def union_padded(heads: np.ndarray, score: np.ndarray) -> np.ndarray:
