@@ -488,7 +488,9 @@ def _speed_model(rows, model, policies) -> str:
         if e.get("drafted_tokens"):
             ev_txt += f", {e['drafted_tokens']} tokens drafted to score them"
         if e.get("commit"):                  # the long rows of this model rerun alone, after the part's run
-            ev_txt += f"; rerun alone with the full cache's row at commit `{e['commit']}`"
+            pc = p.get("commit")
+            ev_txt += (f"; rerun after the part's run at commit `{e['commit']}`" + (
+                f", the full cache's row at `{pc}`" if pc and pc != e["commit"] else ", beside the full cache's row"))
         s.append(f"- {e['tokens']} tokens through {e['kv_cells']} cells, {pol} ({e.get('evictions', 0)} evictions"
                  f"{ev_txt}): KV allocated {e['kv_bytes_allocated'] / mib:.1f} MiB vs "
                  f"{p['kv_bytes_allocated'] / mib:.1f} MiB for the full cache "
