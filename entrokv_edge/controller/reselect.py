@@ -32,10 +32,11 @@ class UnionScores:
     """Scores by true position over the resident and the set-aside tokens, one layer at a time (what
     ``select_layers`` asks for).
 
-    ``resident_keys``: slots [m] -> their cached keys float32 [m, n_res, d], at ``resident_pos`` int32
-    [S, n_res] (every slot holds the same number of cells; read a layer at a time); ``store``: the set-aside tokens; ``queries`` float32 [L, w, H, d] (the window's, the last
-    at ``pos_last``); ``draft`` float32 [L, k, H, d] or None (the drafted tokens', right after it);
-    ``share``: lookahead_share (0: each query one vote)."""
+    ``resident_keys``: slots [m] -> their cached keys float32 [m, n_res, d] (asked a layer at a time), at
+    ``resident_pos`` int32 [S, n_res] (every slot holds the same number of cells); ``store``: the set-aside
+    tokens; ``queries`` float32 [L, w, H, d] (the window's, the last at ``pos_last``); ``draft`` float32
+    [L, k, H, d] or None (the drafted tokens', right after it); ``share``: lookahead_share (0: each query
+    one vote)."""
 
     def __init__(self, resident_keys, resident_pos, store, queries, pos_last: int, draft, share: float, n: int):
         self.kr, self.pr, self.store = resident_keys, resident_pos, store

@@ -195,7 +195,7 @@ def _pread_rows(fd: int, offsets: np.ndarray, width: int, gap: int) -> np.ndarra
     run = np.repeat(np.arange(first.size), np.diff(np.r_[0, cut, u.size]))
     at = base[run] + (u - first[run])                        # each unique row's place in buf
     rows = np.lib.stride_tricks.as_strided(buf, (buf.size - width + 1, width), (1, 1), writeable=False)
-    return rows[at[inv]].reshape(offsets.shape + (width,))   # (a row per byte of buf: no index per byte)
+    return rows[at[inv]].reshape(offsets.shape + (width,))   # rows taken by where they start: no index per byte
 
 
 class Store:
