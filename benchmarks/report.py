@@ -316,13 +316,16 @@ def long_prompt_section(d) -> str:
             for c in configs:
                 x = {key(r): r for r in sr if r["config"] == c and r["cells"] == cells and (r["model"], r["target_length"]) == (mdl, n)}
                 kept = sum(bool(x[k]["correct"]) for k in right if k in x)
-                pre = [full[k]["prefill_s"] / x[k]["prefill_s"] for k in ks if k in x]
+                # a speed ratio only against a full-cache row of the same commit (the same build, a comparable run)
+                pre = [full[k]["prefill_s"] / x[k]["prefill_s"] for k in ks
+                       if k in x and x[k].get("commit") == full[k].get("commit")]
                 line.append(f"{kept}/{len(right)} ({sum(bool(v['correct']) for v in x.values())}), "
-                            f"{float(np.median(pre)) if pre else 0:.2f}x" if x else "")
+                            + (f"{float(np.median(pre)):.2f}x" if pre else "-") if x else "")
             table.append(line)
         s.append(f"**Needles, {split} split** (per model, length and cache: prompts, the full cache's right answers, "
                  "then per configuration the full cache's right answers it keeps (its right answers in all) and its "
-                 "prefill speed against the full cache's, median):\n\n")
+                 "prefill speed against the full cache's, median, where both rows come from the same commit; - where they "
+                 "do not):\n\n")
         s.append(_table(["model", "length", "cells", "prompts", "full right"] + configs, table))
         got = {c: {(key(r), r["cells"]): r["correct"] for r in sr if r["config"] == c} for c in configs}
         # round 4's guided+recall rows ran on the guided read before guide_consensus (round 5): "guide-consensus0"
