@@ -245,3 +245,26 @@ def test_guided_evictions_keep_pages_common_to_every_buffer_and_the_last_evictio
     assert all(shared >= int(0.5 * free) for shared, free in with_share)
     without = shared_pages(0.0)
     assert sum(shared < int(0.5 * free) for shared, free in without) >= len(without) // 2
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+
+
+@pytest.mark.skipif(ek.runtime.llama._trim_heap is None, reason="no malloc_trim in this C library (not glibc)")
+def test_an_eviction_gives_the_heaps_free_pages_back_to_the_system(model):
+    llm = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+    try:
+        llm.eval(prompt(200))
+        # 64 MiB in 64 KiB blocks (on the heap: below glibc's mmap threshold), written to; every other one freed:
+        # 32 MiB of holes between live blocks, which glibc keeps resident for reuse
+        blocks = [bytearray(b"\x01") * (64 << 10) for _ in range(1024)]
+        del blocks[::2]
+        before = _rss_kib()
+        llm.evict()
+        freed = before - _rss_kib()
+        assert freed > 16 << 10, f"{freed} KiB given back"
+        del blocks
+    finally:
+        llm.close()

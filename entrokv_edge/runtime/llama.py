@@ -10,6 +10,7 @@ compacted cells (the native code refuses it), and an edited history is re-evalua
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import tempfile
 import threading
@@ -36,6 +37,32 @@ _SETTINGS = tuple(f.name for f in dataclasses.fields(EvictionConfig))     # ever
 
 
 MAX_THREADS = 512          # ggml's GGML_MAX_N_THREADS: a larger thread count crashes inside ggml
+
+
+def _heap_trimmer() -> Callable[[], object] | None:
+    """glibc's ``malloc_trim(0)``, or None where the C library has none (macOS, musl)."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: fn(0)
+
+
+_trim_heap = _heap_trimmer()
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc's malloc_trim); False where it cannot.
+    An eviction frees tens of MiB of short-lived arrays (scores, the rows it sets aside); glibc keeps
+    freed memory of that size in the heap for reuse, in pieces that later allocations of other sizes do
+    not fill, and the process's resident memory grows with every eviction of a long read. A few
+    milliseconds; called after each eviction and after each piece of a prompt read in pieces (not after
+    each decoded token)."""
+    if _trim_heap is None:
+        return False
+    _trim_heap()
+    return True
 
 
 def _without_queries(ws: WindowScores | None) -> WindowScores | None:
@@ -219,6 +246,7 @@ class EntroKVLlama(llama_cpp.Llama):
         self.n_reselected += res.metrics.get("reselected_tokens", 0)
         if self.recall:
             self.recall.n_keep = geometry(self).n_compacted
+        release_freed_memory()
         self.eviction_s += time.perf_counter() - t0
         self.n_evictions += 1
         if res.metrics["kept_tokens"] > self.kv_cells - self.config.window:
@@ -397,6 +425,8 @@ class EntroKVLlama(llama_cpp.Llama):
                 piece -= piece % self.n_batch  # whole batches, as llama-cpp-python decodes them
             self._eval_piece(tokens[done: done + piece], done, total)
             done += piece
+            if splits:
+                release_freed_memory()         # the piece's observation: its scores are freed
         if total >= w and self._used() > self._budget_pages(self.n_tokens) * self.config.page_size + self.config.page_size:
             if self.config.lookahead:           # the answer's first queries join the window's
                 t0 = time.perf_counter()
