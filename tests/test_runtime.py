@@ -252,7 +252,7 @@ def _rss_kib() -> int:
         return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
 
 
-@pytest.mark.skipif(ek.runtime.llama._trim_heap is None, reason="no malloc_trim in this C library (not glibc)")
+@pytest.mark.skipif(ek.runtime.llama._malloc_trim is None, reason="no malloc_trim in this C library (not glibc)")
 def test_an_eviction_gives_the_heaps_free_pages_back_to_the_system(model):
     llm = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
     try:

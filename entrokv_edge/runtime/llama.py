@@ -39,30 +39,28 @@ _SETTINGS = tuple(f.name for f in dataclasses.fields(EvictionConfig))     # ever
 MAX_THREADS = 512          # ggml's GGML_MAX_N_THREADS: a larger thread count crashes inside ggml
 
 
-def _heap_trimmer() -> Callable[[], object] | None:
-    """glibc's ``malloc_trim(0)``, or None where the C library has none (macOS, musl)."""
+def _load_malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
     try:
         fn = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return lambda: fn(0)
+    return fn
 
 
-_trim_heap = _heap_trimmer()
+_malloc_trim = _load_malloc_trim()
 
 
-def release_freed_memory() -> bool:
-    """Give the heap's free pages back to the system (glibc's malloc_trim); False where it cannot.
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim(0)``; nothing elsewhere).
     An eviction frees tens of MiB of short-lived arrays (scores, the rows it sets aside); glibc keeps
     freed memory of that size in the heap for reuse, in pieces that later allocations of other sizes do
     not fill, and the process's resident memory grows with every eviction of a long read. A few
     milliseconds; called after each eviction and after each piece of a prompt read in pieces (not after
     each decoded token)."""
-    if _trim_heap is None:
-        return False
-    _trim_heap()
-    return True
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def _without_queries(ws: WindowScores | None) -> WindowScores | None:
