@@ -20,6 +20,7 @@ from .bindings import (  # noqa: E402
     compact,
     geometry,
     n_refused,
+    swa_trim,
     true_positions,
     value_norms,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "llama_cpp",
     "models",
     "n_refused",
+    "swa_trim",
     "true_positions",
     "value_norms",
 ]

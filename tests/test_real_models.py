@@ -1,9 +1,11 @@
 """Compaction on the real GGUF models we ship: SmolLM2-135M (llama, r = 3), Gemma 3 270M
 (iswa: only its full-attention cache is compacted) and Qwen2.5-Coder-0.5B (qwen2, r = 7)."""
+import ctypes
+
 import numpy as np
 
 import entrokv_edge as ek
-from helpers import feed, greedy, load_blob, make_llm, oracle_blob, parse_cache, random_keep, state_blob
+from helpers import feed, greedy, load_blob, logits, make_llm, oracle_blob, parse_cache, random_keep, state_blob
 from llama_cpp import llama_cpp as C
 
 TEXT = ("The old lighthouse keeper wrote the secret code 7391 in his journal before the storm. "
@@ -165,3 +167,86 @@ def test_gemma3_cache_too_small_for_its_sliding_window_is_refused_and_the_bounda
     assert rep["logical_tokens"] == 1800 and rep["evictions"] >= 3 and rep["kept_tokens"] <= 768
     out, _ = greedy(llm, toks[-1], 4)
     assert len(out) == 4
+
+
+def _swa_part(blob: bytes):
+    """The sliding-window cache's part of an iswa model's sequence state, parsed like the base's."""
+    c = parse_cache(blob)
+    return parse_cache(c.head + c.rest)
+
+
+def _decode_at(llm, toks, n_past: int) -> np.ndarray:
+    """Decode ``toks`` at positions n_past.. with llama_decode itself (llama-cpp-python's eval keeps
+    its tokens in an array of n_ctx, too short for a sequence longer than the cache)."""
+    llm._batch.set_batch(batch=[int(t) for t in toks], n_past=n_past, logits_all=False)
+    llm._ctx.decode(llm._batch)
+    return logits(llm)
+
+
+def _greedy_at(llm, first: int, n_past: int, n: int):
+    toks, outs, t = [], [], first
+    for i in range(n):
+        outs.append(_decode_at(llm, [t], n_past + i))
+        t = int(np.argmax(outs[-1]))
+        toks.append(t)
+    return toks, outs
+
+
+def test_gemma3_swa_trim_keeps_what_the_window_sees_in_position_order(gemma3):
+    """Gemma 3's sliding-window cache (n_swa 512) after 1200 tokens whose cells wrapped around its
+    1024 cells (the base cache compacted on the way): swa_trim keeps exactly the cells
+    llama_state_seq_get_data writes (those the window has not passed), in position order at cells
+    0..511, with their bytes; it decodes exactly like a context that loaded that state, and the
+    same tokens as one that was not trimmed."""
+    for fa in (False, True):
+        a, b = make_llm(gemma3, n_ctx=1024, flash_attn=fa), make_llm(gemma3, n_ctx=1024, flash_attn=fa)
+        toks = tokens(a)
+        toks = toks[:1] + (toks[1:] * 40)[:1199]
+        keep = np.tile(np.concatenate([np.arange(8), np.arange(508, 700)]), (ek.geometry(a).n_slots, 1)).astype(np.int32)
+        for llm in (a, b):
+            _decode_at(llm, toks[:700], 0)
+            ek.compact(llm, keep)
+            _decode_at(llm, toks[700:], 700)
+        mem = a._ctx.memory
+        assert C.llama_memory_seq_pos_min(mem, 0) == 176 and C.llama_memory_seq_pos_max(mem, 0) == 1199   # wrapped
+        before = state_blob(a)
+        assert ek.swa_trim(a) == 1200 - 176 - 512
+        after = state_blob(a)
+        assert C.llama_memory_seq_pos_min(mem, 0) == 1199 - 511
+        x, y = _swa_part(before), _swa_part(after)
+        order = np.argsort(x.pos, kind="stable")
+        assert x.pos.tolist() != sorted(x.pos.tolist()), "the ring did not wrap: the test lost its point"
+        assert y.pos.tolist() == list(range(688, 1200))
+        assert x.pos[order].tolist() == y.pos.tolist()
+        for p, q in zip(x.k + x.v, y.k + y.v):
+            assert p[:-1] == q[:-1]
+            data = p[-1][order] if p[-1].shape[0] == len(order) else p[-1][:, order]     # V transposed: [n_embd, cells, el]
+            assert np.array_equal(data, q[-1])
+        assert parse_cache(after).k[0][2].tobytes() == parse_cache(before).k[0][2].tobytes()   # the base cache untouched
+        assert ek.swa_trim(a) == 0 and state_blob(a) == after                                # a second trim: nothing to do
+        c = make_llm(gemma3, n_ctx=1024, flash_attn=fa)
+        buf = (ctypes.c_uint8 * len(after)).from_buffer_copy(after)
+        assert C.llama_state_seq_set_data(c.ctx, buf, len(after), 0) == len(after)
+        ta, la = _greedy_at(a, 236764, 1200, 24)
+        tc, lc = _greedy_at(c, 236764, 1200, 24)
+        tb, _ = _greedy_at(b, 236764, 1200, 24)
+        assert ta == tc and max(np.abs(p - q).max() for p, q in zip(la, lc)) <= 1e-5
+        # b reads the same keys among 512 masked cells: its sums run in another order, and through Q4 weights
+        # (whose activations are quantized) that moves the logits by up to ~1.3 here, even with F32 caches
+        assert ta == tb
+        for llm in (a, b, c):
+            llm.close()
+    s = make_llm(gemma3, n_ctx=256)
+    feed(s, tokens(s))
+    blob = state_blob(s)
+    assert ek.swa_trim(s) == 0 and state_blob(s) == blob           # shorter than the window: nothing passed
+
+
+def test_swa_trim_is_refused_on_a_model_without_sliding_window_layers(smollm2):
+    import pytest
+    llm = make_llm(smollm2, n_ctx=256)
+    feed(llm, tokens(llm))
+    blob = state_blob(llm)
+    with pytest.raises(ek.EntroKVError, match="no sliding-window cache"):
+        ek.swa_trim(llm)
+    assert state_blob(llm) == blob

@@ -387,6 +387,19 @@ def n_refused(llm) -> int:
     return _check(lib.llama_entrokv_n_refused(context_pointer(llm)))
 
 
+def swa_trim(llm, *, seq_id: int = 0) -> int:
+    """Models with sliding-window layers (``geometry(llm).is_iswa``, e.g. Gemma 3): drop the
+    cells of their cache that the window has passed and move the rest to the front, so that
+    those layers read about the window instead of every cell used so far. Returns the cells
+    dropped. Only where the sequence will not be cut below its last token (right after a
+    ``compact``, which refuses such cuts); EntroKVLlama does it after each eviction. Raises
+    EntroKVError (the cache untouched) on a model without sliding-window layers."""
+    ffi, lib = _api()
+    out = ffi.new("int32_t *")
+    _check(lib.llama_entrokv_swa_trim(context_pointer(llm), _int32("seq_id", seq_id), out))
+    return int(out[0])
+
+
 def _params(ffi, lib, *, budget: int, page_size: int, sinks: int, recent: int, tau: float, page_max: bool):
     p = ffi.new("struct llama_entrokv_params *", lib.llama_entrokv_default_params())
     p.budget, p.page_size = _int32("budget", budget), _int32("page_size", page_size)

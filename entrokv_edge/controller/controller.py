@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..bindings import compact, geometry, true_positions, value_norms
+from ..bindings import compact, geometry, swa_trim, true_positions, value_norms
 from ..bindings.observe import Observation, WindowScores, head_slots
 from . import metrics as M
 from .config import EvictionConfig
@@ -116,7 +116,7 @@ class EvictionController:
         values = self._values_by_position(llm, tp_now, n, L, G) if cfg.value_power > 0 else None
         sel = select_layers(layer_scores, L, r, cfg, n, available=available, n_keep=n_keep, values=values)
         positions = pages_to_positions(sel.pages, cfg.page_size, n)
-        brought = 0
+        brought = swa_dropped = 0
         if union is not None:
             brought = swap_in(llm, g, tp_now, positions.reshape(L * G, -1), aside)
             tp_now = true_positions(llm) if brought else tp_now
@@ -129,10 +129,12 @@ class EvictionController:
             if before_compact is not None:
                 before_compact(tp_now, cells)
             compact(llm, cells)
+            if g.is_iswa:       # the sliding-window layers' cache: only what their window still sees
+                swa_dropped = swa_trim(llm)
         t2 = time.perf_counter()
         result = EvictionResult(sel, positions)
         result.metrics = self._metrics(llm, L, H, r, sel, positions, n, needles)
-        result.metrics.update(reselected=union is not None, reselected_tokens=brought)
+        result.metrics.update(reselected=union is not None, reselected_tokens=brought, swa_dropped=swa_dropped)
         # where the time went: selection (scores to kept positions), compaction, the metrics (UOR replay etc.)
         result.metrics["timing"] = {"select_s": t1 - t0, "compact_s": t2 - t1,
                                     "metrics_s": time.perf_counter() - t2}

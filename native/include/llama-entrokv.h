@@ -9,7 +9,7 @@
 // Vocabulary
 //   eligible layer : a KV layer of the full-attention cache (for iswa models
 //                    such as Gemma 3 only the base cache; the SWA cache is
-//                    never touched).
+//                    touched only by llama_entrokv_swa_trim).
 //   slot           : one (eligible layer, KV head) pair; slots are numbered
 //                    layer-major: all heads of eligible layer 0, then layer 1...
 //   cell           : a row of the KV cache (0 .. kv_size-1), shared by every
@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LLAMA_ENTROKV_API_VERSION 5
+#define LLAMA_ENTROKV_API_VERSION 6
 
 enum llama_entrokv_status {
     LLAMA_ENTROKV_OK                  =   0,
@@ -60,7 +60,7 @@ struct llama_entrokv_geometry {
     uint32_t kv_size;         // cells in the (base) cache
     uint32_t n_used;          // cells holding a token
     int32_t  v_trans;         // 1 if V is stored transposed (flash attention off)
-    int32_t  is_iswa;         // 1 if the model also has a sliding-window cache (left untouched)
+    int32_t  is_iswa;         // 1 if the model also has a sliding-window cache (see llama_entrokv_swa_trim)
     int32_t  type_k;          // enum ggml_type
     int32_t  type_v;          // enum ggml_type
     int32_t  n_compacted;     // cells 0..n_compacted-1 hold compacted tokens (0: never compacted)
@@ -293,8 +293,8 @@ LLAMA_API int32_t llama_entrokv_recall_plan(
         int32_t * out_pages, int32_t * out_n_pages, int32_t * out_cells, int32_t * out_n_cells);
 
 // For C programs: Page-EntroKV on sequence seq_id of a never-compacted cache, from the
-// last observed scores (the observed ubatch must end the prompt), then compaction.
-// Returns the tokens kept per group buffer, or a negative error (cache untouched).
+// last observed scores (the observed ubatch must end the prompt), then compaction (and
+// llama_entrokv_swa_trim on a model with sliding-window layers). Returns the tokens kept per group buffer, or a negative error (cache untouched).
 LLAMA_API int32_t llama_entrokv_evict(
         struct llama_context * ctx,
         llama_seq_id seq_id,
@@ -323,6 +323,21 @@ LLAMA_API int32_t llama_entrokv_set_last_logits(
 // Operations refused since the last clear because they would have corrupted
 // a compacted cache (range seq_rm / seq_add / seq_div over compacted cells).
 LLAMA_API int32_t llama_entrokv_n_refused(struct llama_context * ctx);
+
+// Models with sliding-window layers (iswa, such as Gemma 3): drop from their cache the
+// cells of sequence seq_id (the only sequence in it) that the window has passed - those
+// masked for the sequence's last position, which llama_state_seq_get_data leaves out too -
+// and move the others, in position order and with their positions, to cells 0..k-1.
+// The sliding-window layers then read about n_swa cells instead of every cell used since
+// the cache was filled. No later token attends to a dropped cell; removing tokens from the
+// end afterwards (llama_memory_seq_rm) can bring back into the window positions whose
+// cells are gone, so trim only where the sequence will not be cut below its end (as after
+// a compaction, which already refuses such cuts). n_dropped (may be NULL): cells dropped.
+// UNSUPPORTED for a model without sliding-window layers; the cache is unchanged on error.
+LLAMA_API int32_t llama_entrokv_swa_trim(
+        struct llama_context * ctx,
+        llama_seq_id seq_id,
+        int32_t * n_dropped);
 
 #ifdef __cplusplus
 }

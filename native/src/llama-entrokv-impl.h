@@ -71,6 +71,9 @@ struct llama_entrokv_access {
     static int32_t value_norms(llama_context * ctx, float * out, size_t n_out);
     static int32_t compact  (llama_context * ctx, llama_seq_id seq_id, int32_t n_slots,
                              const int32_t * lens, const int32_t * cells, uint32_t flags);
+    static int32_t move_cells(llama_context * ctx, llama_kv_cache & kv, int32_t K, const int32_t * cells,
+                              bool force_graph, bool unordered);
+    static int32_t swa_trim (llama_context * ctx, llama_seq_id seq_id, int32_t * n_dropped);
     static int32_t n_refused(llama_context * ctx);
     static int32_t restore  (llama_context * ctx, int32_t n_keep, const int32_t * true_pos, size_t n);
     static int32_t set_last_logits(llama_context * ctx, const float * logits, int32_t n_vocab);

@@ -215,5 +215,10 @@ extern "C" int32_t llama_entrokv_evict(llama_context * ctx, llama_seq_id seq_id,
     if (int32_t rc = llama_entrokv_compact(ctx, seq_id, L * G, lens.data(), cells.data(), 0)) {
         return rc;
     }
+    if (geo.is_iswa) {
+        // the sliding-window cache after it; should this fail, it stays as it was (still correct)
+        llama_entrokv_swa_trim(ctx, seq_id, nullptr);
+    }
+    llama_entrokv_ok();
     return lens[0];
 }

@@ -572,103 +572,18 @@ static ggml_tensor * build_gather_vtrans(ggml_context * ctx, ggml_tensor * v, in
     return ggml_cpy(ctx, gt, dst);
 }
 
-int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, int32_t n_slots_in,
-        const int32_t * lens, const int32_t * cells_in, uint32_t flags) {
-    entrokv_target t;
-    if (int32_t rc = resolve(ctx, t)) {
-        return rc;
-    }
-    llama_kv_cache & kv = *t.kv;
-    auto & cells = kv.v_cells[0];
+// Move the data of cache kv: for every slot s (its layers' KV heads, layer-major), cell j receives
+// cell cells_in[s*K + j]. Every layer's graph is planned before anything moves, so that an
+// unsupported backend is refused with the cache intact. The cells' metadata is the caller's.
+int32_t llama_entrokv_access::move_cells(llama_context * ctx, llama_kv_cache & kv, int32_t K, const int32_t * cells_in,
+        bool force_graph, bool unordered) {
     const uint32_t kv_size = kv.get_size();
     const int32_t ns = n_slots(kv);
-
-    if ((flags & ~(uint32_t) (LLAMA_ENTROKV_COMPACT_GRAPH | LLAMA_ENTROKV_COMPACT_UNORDERED)) != 0) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "unknown flags 0x%x", flags);
-    }
-    if (lens == nullptr || cells_in == nullptr) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "lens or cells is NULL");
-    }
-    if (n_slots_in != ns) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "got %d keep lists, the cache has %d (layer, KV head) slots", n_slots_in, ns);
-    }
-    if (seq_id < 0 || seq_id >= LLAMA_MAX_SEQ) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "invalid sequence id %d", seq_id);
-    }
-
-    // the cache must hold exactly one sequence, seq_id, and no pending shift
-    uint32_t n_seq_cells = 0;
-    for (uint32_t c = 0; c < cells.size(); ++c) {
-        if (cells.is_empty(c)) {
-            continue;
-        }
-        if (cells.seq_count(c) != 1 || !cells.seq_has(c, seq_id)) {
-            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_MULTI_SEQ, "cell %u belongs to another sequence or to several: "
-                    "compaction needs sequence %d to be the only one in the cache", c, seq_id);
-        }
-        n_seq_cells++;
-    }
-    if (n_seq_cells == 0) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_EMPTY_SEQ, "sequence %d holds no token", seq_id);
-    }
-    if (cells.get_has_shift()) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_PENDING_SHIFT, "a K-shift is pending: decode once (or call llama_memory_update) before compacting");
-    }
-
-    // the keep lists
-    const int32_t K = lens[0];
-    for (int32_t s = 0; s < ns; ++s) {
-        if (lens[s] != K) {
-            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep lists have unequal lengths (slot 0: %d, slot %d: %d); "
-                    "every (layer, KV head) must keep the same number of cells", K, s, lens[s]);
-        }
-    }
-    if (K < 1 || (uint32_t) K > n_seq_cells) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep length %d outside 1..%u (the cells of the sequence)", K, n_seq_cells);
-    }
-    const llama_pos pmax = cells.seq_pos_max(seq_id);
-    if (pmax - K + 1 < 0) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep length %d exceeds the positions of the sequence (max %d)", K, pmax);
-    }
-    const bool unordered = (flags & LLAMA_ENTROKV_COMPACT_UNORDERED) != 0;
-    std::vector<int32_t> seen(unordered ? kv_size : 0, -1);
-    for (int32_t s = 0; s < ns; ++s) {
-        const int32_t * l = cells_in + (size_t) s * K;
-        for (int32_t j = 0; j < K; ++j) {
-            if (l[j] < 0 || (uint32_t) l[j] >= kv_size) {
-                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_RANGE, "slot %d: cell %d outside 0..%u", s, l[j], kv_size - 1);
-            }
-            if (unordered) {
-                if (seen[l[j]] == s) {
-                    return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_ORDER, "slot %d: cell %d listed twice", s, l[j]);
-                }
-                seen[l[j]] = s;
-            } else if (j > 0 && l[j] <= l[j - 1]) {
-                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_ORDER, "slot %d: cells must be strictly ascending (%d then %d at index %d)",
-                        s, l[j - 1], l[j], j);
-            }
-            if (cells.is_empty(l[j]) || !cells.seq_has(l[j], seq_id)) {
-                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_NOT_IN_SEQ, "slot %d: cell %d holds no token of sequence %d", s, l[j], seq_id);
-            }
-        }
-    }
-
     uint32_t n_view = 0; // highest source cell + 1
     for (size_t i = 0; i < (size_t) ns * K; ++i) {
         n_view = std::max(n_view, (uint32_t) cells_in[i] + 1);
     }
 
-    // the true positions after the compaction, composed with any earlier one
-    const llama_entrokv_state * st_old = kv.entrokv.get();
-    std::vector<int32_t> tpos((size_t) ns * K);
-    for (int32_t s = 0; s < ns; ++s) {
-        for (int32_t j = 0; j < K; ++j) {
-            tpos[(size_t) s * K + j] = true_pos_of(st_old, cells, s, (uint32_t) cells_in[(size_t) s * K + j]);
-        }
-    }
-
-    // move the data
-    const bool force_graph = (flags & LLAMA_ENTROKV_COMPACT_GRAPH) != 0;
     llama_synchronize(ctx);
 
     std::vector<std::unique_ptr<entrokv_layer_graph>> graphs;
@@ -794,7 +709,101 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
         ggml_gallocr_free(a);
     }
     release();
-    if (rc != LLAMA_ENTROKV_OK) {
+    return rc;
+}
+
+int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, int32_t n_slots_in,
+        const int32_t * lens, const int32_t * cells_in, uint32_t flags) {
+    entrokv_target t;
+    if (int32_t rc = resolve(ctx, t)) {
+        return rc;
+    }
+    llama_kv_cache & kv = *t.kv;
+    auto & cells = kv.v_cells[0];
+    const uint32_t kv_size = kv.get_size();
+    const int32_t ns = n_slots(kv);
+
+    if ((flags & ~(uint32_t) (LLAMA_ENTROKV_COMPACT_GRAPH | LLAMA_ENTROKV_COMPACT_UNORDERED)) != 0) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "unknown flags 0x%x", flags);
+    }
+    if (lens == nullptr || cells_in == nullptr) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "lens or cells is NULL");
+    }
+    if (n_slots_in != ns) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "got %d keep lists, the cache has %d (layer, KV head) slots", n_slots_in, ns);
+    }
+    if (seq_id < 0 || seq_id >= LLAMA_MAX_SEQ) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "invalid sequence id %d", seq_id);
+    }
+
+    // the cache must hold exactly one sequence, seq_id, and no pending shift
+    uint32_t n_seq_cells = 0;
+    for (uint32_t c = 0; c < cells.size(); ++c) {
+        if (cells.is_empty(c)) {
+            continue;
+        }
+        if (cells.seq_count(c) != 1 || !cells.seq_has(c, seq_id)) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_MULTI_SEQ, "cell %u belongs to another sequence or to several: "
+                    "compaction needs sequence %d to be the only one in the cache", c, seq_id);
+        }
+        n_seq_cells++;
+    }
+    if (n_seq_cells == 0) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_EMPTY_SEQ, "sequence %d holds no token", seq_id);
+    }
+    if (cells.get_has_shift()) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_PENDING_SHIFT, "a K-shift is pending: decode once (or call llama_memory_update) before compacting");
+    }
+
+    // the keep lists
+    const int32_t K = lens[0];
+    for (int32_t s = 0; s < ns; ++s) {
+        if (lens[s] != K) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep lists have unequal lengths (slot 0: %d, slot %d: %d); "
+                    "every (layer, KV head) must keep the same number of cells", K, s, lens[s]);
+        }
+    }
+    if (K < 1 || (uint32_t) K > n_seq_cells) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep length %d outside 1..%u (the cells of the sequence)", K, n_seq_cells);
+    }
+    const llama_pos pmax = cells.seq_pos_max(seq_id);
+    if (pmax - K + 1 < 0) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_LIST_LENGTH, "keep length %d exceeds the positions of the sequence (max %d)", K, pmax);
+    }
+    const bool unordered = (flags & LLAMA_ENTROKV_COMPACT_UNORDERED) != 0;
+    std::vector<int32_t> seen(unordered ? kv_size : 0, -1);
+    for (int32_t s = 0; s < ns; ++s) {
+        const int32_t * l = cells_in + (size_t) s * K;
+        for (int32_t j = 0; j < K; ++j) {
+            if (l[j] < 0 || (uint32_t) l[j] >= kv_size) {
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_RANGE, "slot %d: cell %d outside 0..%u", s, l[j], kv_size - 1);
+            }
+            if (unordered) {
+                if (seen[l[j]] == s) {
+                    return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_ORDER, "slot %d: cell %d listed twice", s, l[j]);
+                }
+                seen[l[j]] = s;
+            } else if (j > 0 && l[j] <= l[j - 1]) {
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_ORDER, "slot %d: cells must be strictly ascending (%d then %d at index %d)",
+                        s, l[j - 1], l[j], j);
+            }
+            if (cells.is_empty(l[j]) || !cells.seq_has(l[j], seq_id)) {
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_CELL_NOT_IN_SEQ, "slot %d: cell %d holds no token of sequence %d", s, l[j], seq_id);
+            }
+        }
+    }
+
+    // the true positions after the compaction, composed with any earlier one
+    const llama_entrokv_state * st_old = kv.entrokv.get();
+    std::vector<int32_t> tpos((size_t) ns * K);
+    for (int32_t s = 0; s < ns; ++s) {
+        for (int32_t j = 0; j < K; ++j) {
+            tpos[(size_t) s * K + j] = true_pos_of(st_old, cells, s, (uint32_t) cells_in[(size_t) s * K + j]);
+        }
+    }
+
+    // move the data
+    if (int32_t rc = move_cells(ctx, kv, K, cells_in, (flags & LLAMA_ENTROKV_COMPACT_GRAPH) != 0, unordered)) {
         return rc;
     }
 
@@ -818,6 +827,84 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
     st.n_slots  = ns;
     st.true_pos = std::move(tpos);
     st.n_compactions++;
+    return llama_entrokv_ok();
+}
+
+// The sliding-window cache of an iswa model: drop the cells its window has passed (masked for the
+// sequence's last position, as llama_state_seq_get_data leaves them out) and move the others, in
+// position order, to cells 0..k-1 with their own positions. Later tokens attend to none of the
+// dropped cells; what the attention reads shrinks from the cells used so far to about the window.
+int32_t llama_entrokv_access::swa_trim(llama_context * ctx, llama_seq_id seq_id, int32_t * n_dropped) {
+    entrokv_target t;
+    if (int32_t rc = resolve(ctx, t)) {
+        return rc;
+    }
+    if (!t.iswa) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "the model has no sliding-window cache to trim");
+    }
+    if (seq_id < 0 || seq_id >= LLAMA_MAX_SEQ) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "invalid sequence id %d", seq_id);
+    }
+    llama_kv_cache & kv = *static_cast<llama_kv_cache_iswa *>(ctx->get_memory())->get_swa();
+    if (kv.get_n_stream() != 1 || kv.layers.empty()) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_UNSUPPORTED, "unsupported sliding-window cache (%u streams, %zu layers)",
+                kv.get_n_stream(), kv.layers.size());
+    }
+    auto & cells = kv.v_cells[0];
+    std::vector<std::pair<llama_pos, int32_t>> keep; // (position, cell)
+    uint32_t n_seq_cells = 0;
+    const llama_pos pmax = cells.seq_pos_max(seq_id);
+    for (uint32_t c = 0; c < cells.size(); ++c) {
+        if (cells.is_empty(c)) {
+            continue;
+        }
+        if (cells.seq_count(c) != 1 || !cells.seq_has(c, seq_id)) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_MULTI_SEQ, "sliding-window cell %u belongs to another sequence or to several: "
+                    "trimming needs sequence %d to be the only one in the cache", c, seq_id);
+        }
+        n_seq_cells++;
+        if (!llama_hparams::is_masked_swa(kv.n_swa, kv.swa_type, cells.pos_get(c), pmax)) {
+            keep.emplace_back(cells.pos_get(c), (int32_t) c);
+        }
+    }
+    if (cells.get_has_shift()) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_PENDING_SHIFT, "a K-shift is pending: decode once (or call llama_memory_update) before trimming");
+    }
+    std::sort(keep.begin(), keep.end());
+    const int32_t K = (int32_t) keep.size();
+    bool in_place = true; // nothing to drop and every kept cell already where it would go
+    for (int32_t j = 0; j < K && in_place; ++j) {
+        in_place = keep[j].second == j;
+    }
+    if (n_dropped != nullptr) {
+        *n_dropped = (int32_t) (n_seq_cells - (uint32_t) K);
+    }
+    if (K == 0 || (in_place && (uint32_t) K == n_seq_cells)) {
+        return llama_entrokv_ok();
+    }
+    std::vector<int32_t> list(K);
+    bool ascending = true;
+    for (int32_t j = 0; j < K; ++j) {
+        list[j] = keep[j].second;
+        ascending = ascending && (j == 0 || list[j] > list[j - 1]);
+    }
+    const int32_t ns = n_slots(kv);
+    std::vector<int32_t> lists((size_t) ns * K);
+    for (int32_t s = 0; s < ns; ++s) {
+        std::copy(list.begin(), list.end(), lists.begin() + (size_t) s * K);
+    }
+    if (int32_t rc = move_cells(ctx, kv, K, lists.data(), false, !ascending)) {
+        if (n_dropped != nullptr) {
+            *n_dropped = 0;
+        }
+        return rc;
+    }
+    cells.reset();
+    for (int32_t j = 0; j < K; ++j) {
+        cells.pos_set((uint32_t) j, keep[j].first);
+        cells.seq_add((uint32_t) j, seq_id);
+    }
+    kv.v_heads[0] = (uint32_t) K % kv.get_size();
     return llama_entrokv_ok();
 }
 
@@ -950,6 +1037,14 @@ int32_t llama_entrokv_compact(llama_context * ctx, llama_seq_id seq_id, int32_t 
 
 int32_t llama_entrokv_n_refused(llama_context * ctx) {
     return llama_entrokv_access::n_refused(ctx);
+}
+
+int32_t llama_entrokv_swa_trim(llama_context * ctx, llama_seq_id seq_id, int32_t * n_dropped) {
+    try {
+        return llama_entrokv_access::swa_trim(ctx, seq_id, n_dropped);
+    } catch (const std::exception & e) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "trimming the sliding-window cache failed: %s", e.what());
+    }
 }
 
 int32_t llama_entrokv_restore(llama_context * ctx, int32_t n_keep, const int32_t * true_pos, size_t n) {
