@@ -144,8 +144,8 @@ class EntroKVLlama(llama_cpp.Llama):
                              f"n_ubatch {self.context_params.n_ubatch})")
         n_swa = int(llama_cpp.llama_model_n_swa(self.model)) if g.is_iswa else 0
         if n_swa and self.kv_cells < n_swa + self.context_params.n_ubatch:
-            # the sliding-window layers' cache has as many cells as the base cache and is never evicted by us:
-            # it holds the window before a ubatch plus the ubatch itself, or llama_decode finds no slot
+            # the sliding-window layers' cache has as many cells as the base cache and is only trimmed to the
+            # window by us: it holds the window before a ubatch plus the ubatch itself, or llama_decode finds no slot
             self.close()
             raise ValueError(f"a cache of {self.kv_cells} cells cannot run this model's sliding-window layers: they "
                              f"keep the last {n_swa} tokens plus a ubatch ({self.context_params.n_ubatch}), so n_ctx "
