@@ -75,3 +75,58 @@ def test_a_c_program_evicts_with_page_entrokv(tmp_path, synth_models):
     assert head == "kept 48 used 48 compactions 1 pos_max 119 after 139 bad -5"  # 120 tokens = 15 pages of 8
     n_norms, n_slots = map(int, norms.split(" slots "))
     assert n_slots == 4 and n_norms == 48 * n_slots      # every kept cell of every slot has a value, the rest 0
+
+
+SWA_PROGRAM = r"""
+#include "llama.h"
+#include "llama-entrokv.h"
+#include <stdio.h>
+
+int main(int argc, char ** argv) {
+    if (argc < 2) { return 64; }
+    llama_backend_init();
+    struct llama_model * model = llama_model_load_from_file(argv[1], llama_model_default_params());
+    struct llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = 1024;
+    struct llama_context * ctx = llama_init_from_model(model, cp);
+    if (!model || !ctx) { return 65; }
+    enum { N = 700, W = 16 };
+    llama_token toks[N];
+    for (int i = 0; i < N; ++i) { toks[i] = 1000 + (i * 37) % 5000; }
+    if (llama_decode(ctx, llama_batch_get_one(toks, N - W))) { return 66; }
+    if (llama_entrokv_set_observer(ctx, W, NULL, NULL)) { return 67; }
+    if (llama_decode(ctx, llama_batch_get_one(toks + N - W, W))) { return 68; }
+    llama_memory_t mem = llama_get_memory(ctx);
+    const int before = llama_memory_seq_pos_min(mem, 0);
+    struct llama_entrokv_params p = llama_entrokv_default_params();
+    p.budget = 128;
+    const int kept = llama_entrokv_evict(ctx, 0, &p);
+    if (kept < 0) { fprintf(stderr, "evict: %s\n", llama_entrokv_last_error()); return 69; }
+    const int after = llama_memory_seq_pos_min(mem, 0);
+    int32_t dropped = -1;
+    const int again = llama_entrokv_swa_trim(ctx, 0, &dropped);
+    llama_token t = 5;
+    for (int i = 0; i < 8; ++i) {
+        if (llama_decode(ctx, llama_batch_get_one(&t, 1))) { return 70; }
+    }
+    printf("kept %d swa min %d -> %d again %d dropped %d pos_max %d\n", kept, before, after, again, dropped,
+           llama_memory_seq_pos_max(mem, 0));
+    llama_free(ctx);
+    llama_model_free(model);
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_a_c_program_evicts_gemma3_and_its_sliding_window_cache_is_trimmed(tmp_path, gemma3):
+    """llama_entrokv_evict on a model with sliding-window layers also trims their cache: the
+    sequence's first position there moves from 0 to the window's start (700 - 512)."""
+    src, exe = tmp_path / "swa.c", tmp_path / "swa"
+    src.write_text(SWA_PROGRAM)
+    subprocess.run(["cc", "-std=c11", "-Wall", "-Werror", "-I", str(include_dir()), str(src), "-o", str(exe),
+                    "-L", str(lib_dir()), "-lllama", f"-Wl,-rpath,{lib_dir()}"], check=True, capture_output=True)
+    r = subprocess.run([str(exe), str(gemma3)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().startswith("kept ") and r.stdout.strip().split(" swa ")[1] == \
+        "min 0 -> 188 again 0 dropped 0 pos_max 707"
