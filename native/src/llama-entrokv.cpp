@@ -572,6 +572,22 @@ static ggml_tensor * build_gather_vtrans(ggml_context * ctx, ggml_tensor * v, in
     return ggml_cpy(ctx, gt, dst);
 }
 
+// every used cell of the cache holds seq_id and nothing else; n: those cells
+static int32_t only_sequence(const llama_kv_cells & cells, llama_seq_id seq_id, const char * cache, const char * op, uint32_t & n) {
+    n = 0;
+    for (uint32_t c = 0; c < cells.size(); ++c) {
+        if (cells.is_empty(c)) {
+            continue;
+        }
+        if (cells.seq_count(c) != 1 || !cells.seq_has(c, seq_id)) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_MULTI_SEQ, "%scell %u belongs to another sequence or to several: "
+                    "%s needs sequence %d to be the only one in the cache", cache, c, op, seq_id);
+        }
+        n++;
+    }
+    return LLAMA_ENTROKV_OK;
+}
+
 // Move the data of cache kv: for every slot s (its layers' KV heads, layer-major), cell j receives
 // cell cells_in[s*K + j]. Every layer's graph is planned before anything moves, so that an
 // unsupported backend is refused with the cache intact. The cells' metadata is the caller's.
@@ -738,15 +754,8 @@ int32_t llama_entrokv_access::compact(llama_context * ctx, llama_seq_id seq_id, 
 
     // the cache must hold exactly one sequence, seq_id, and no pending shift
     uint32_t n_seq_cells = 0;
-    for (uint32_t c = 0; c < cells.size(); ++c) {
-        if (cells.is_empty(c)) {
-            continue;
-        }
-        if (cells.seq_count(c) != 1 || !cells.seq_has(c, seq_id)) {
-            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_MULTI_SEQ, "cell %u belongs to another sequence or to several: "
-                    "compaction needs sequence %d to be the only one in the cache", c, seq_id);
-        }
-        n_seq_cells++;
+    if (int32_t rc = only_sequence(cells, seq_id, "", "compaction", n_seq_cells)) {
+        return rc;
     }
     if (n_seq_cells == 0) {
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_EMPTY_SEQ, "sequence %d holds no token", seq_id);
@@ -853,17 +862,12 @@ int32_t llama_entrokv_access::swa_trim(llama_context * ctx, llama_seq_id seq_id,
     auto & cells = kv.v_cells[0];
     std::vector<std::pair<llama_pos, int32_t>> keep; // (position, cell)
     uint32_t n_seq_cells = 0;
+    if (int32_t rc = only_sequence(cells, seq_id, "sliding-window ", "trimming", n_seq_cells)) {
+        return rc;
+    }
     const llama_pos pmax = cells.seq_pos_max(seq_id);
     for (uint32_t c = 0; c < cells.size(); ++c) {
-        if (cells.is_empty(c)) {
-            continue;
-        }
-        if (cells.seq_count(c) != 1 || !cells.seq_has(c, seq_id)) {
-            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_MULTI_SEQ, "sliding-window cell %u belongs to another sequence or to several: "
-                    "trimming needs sequence %d to be the only one in the cache", c, seq_id);
-        }
-        n_seq_cells++;
-        if (!llama_hparams::is_masked_swa(kv.n_swa, kv.swa_type, cells.pos_get(c), pmax)) {
+        if (!cells.is_empty(c) && !llama_hparams::is_masked_swa(kv.n_swa, kv.swa_type, cells.pos_get(c), pmax)) {
             keep.emplace_back(cells.pos_get(c), (int32_t) c);
         }
     }
