@@ -197,7 +197,9 @@ def test_gemma3_swa_trim_keeps_what_the_window_sees_in_position_order(gemma3):
     1024 cells (the base cache compacted on the way): swa_trim keeps exactly the cells
     llama_state_seq_get_data writes (those the window has not passed), in position order at cells
     0..511, with their bytes; it decodes exactly like a context that loaded that state, and the
-    same tokens as one that was not trimmed."""
+    same tokens as one that was not trimmed. It is refused until the base cache is compacted
+    through the last position."""
+    import pytest
     for fa in (False, True):
         a, b = make_llm(gemma3, n_ctx=1024, flash_attn=fa), make_llm(gemma3, n_ctx=1024, flash_attn=fa)
         toks = tokens(a)
@@ -210,6 +212,11 @@ def test_gemma3_swa_trim_keeps_what_the_window_sees_in_position_order(gemma3):
         mem = a._ctx.memory
         assert C.llama_memory_seq_pos_min(mem, 0) == 176 and C.llama_memory_seq_pos_max(mem, 0) == 1199   # wrapped
         before = state_blob(a)
+        with pytest.raises(ek.EntroKVError, match="right after a compaction"):     # compacted through 699 only
+            ek.swa_trim(a)
+        assert state_blob(a) == before
+        ek.compact(a, np.tile(np.arange(700, dtype=np.int32), (ek.geometry(a).n_slots, 1)))   # through 1199, as it was
+        assert state_blob(a) == before
         assert ek.swa_trim(a) == 1200 - 176 - 512
         after = state_blob(a)
         assert C.llama_memory_seq_pos_min(mem, 0) == 1199 - 511
@@ -238,8 +245,34 @@ def test_gemma3_swa_trim_keeps_what_the_window_sees_in_position_order(gemma3):
             llm.close()
     s = make_llm(gemma3, n_ctx=256)
     feed(s, tokens(s))
+    n = len(tokens(s))
+    ek.compact(s, np.tile(np.arange(n, dtype=np.int32), (ek.geometry(s).n_slots, 1)))
     blob = state_blob(s)
     assert ek.swa_trim(s) == 0 and state_blob(s) == blob           # shorter than the window: nothing passed
+
+
+def test_gemma3_runtime_trims_at_each_eviction_and_a_cut_tail_decodes_again_the_same(gemma3):
+    """EntroKVLlama's evictions trim the sliding-window cache (what its layers read drops to the
+    window); tokens decoded after the eviction, removed and decoded again, give the same logits:
+    the cells a cut above the eviction needs are all kept."""
+    from entrokv_edge import EntroKVLlama
+    llm = EntroKVLlama(str(gemma3), n_ctx=1024, n_batch=256, n_ubatch=256, budget=256, verbose=False, seed=0,
+                       n_threads=2, n_threads_batch=2)
+    toks = tokens(llm)
+    toks = toks[:1] + (toks[1:] * 20)[:899]
+    llm.eval(toks)
+    m = llm.last_eviction.metrics
+    mem = llm._ctx.memory
+    assert m["swa_dropped"] == 900 - 512 and ek.geometry(llm).n_used == m["kept_tokens"] == 256
+    assert C.llama_memory_seq_pos_min(mem, 0) == 900 - 512 and C.llama_memory_seq_pos_max(mem, 0) == 899
+    tail = [236764, 669, 2255, 506, 1902, 563]
+    first = [feed(llm, [t]) for t in tail]
+    assert C.llama_memory_seq_pos_min(mem, 0) == 900 - 512    # no eviction since: nothing dropped
+    assert llm._ctx.kv_cache_seq_rm(-1, 900, -1)
+    llm.n_tokens = 900
+    again = [feed(llm, [t]) for t in tail]
+    assert max(np.abs(x - y).max() for x, y in zip(first, again)) == 0.0
+    llm.close()
 
 
 def test_swa_trim_is_refused_on_a_model_without_sliding_window_layers(smollm2):

@@ -391,9 +391,10 @@ def swa_trim(llm, *, seq_id: int = 0) -> int:
     """Models with sliding-window layers (``geometry(llm).is_iswa``, e.g. Gemma 3): drop the
     cells of their cache that the window has passed and move the rest to the front, so that
     those layers read about the window instead of every cell used so far. Returns the cells
-    dropped. Only where the sequence will not be cut below its last token (right after a
-    ``compact``, which refuses such cuts); EntroKVLlama does it after each eviction. Raises
-    EntroKVError (the cache untouched) on a model without sliding-window layers."""
+    dropped. Accepted only right after a ``compact`` (through the last token), which refuses the
+    cuts of the sequence that would need the dropped cells; EntroKVLlama does it after each
+    eviction. Raises EntroKVError (the cache untouched) elsewhere and on a model without
+    sliding-window layers."""
     ffi, lib = _api()
     out = ffi.new("int32_t *")
     _check(lib.llama_entrokv_swa_trim(context_pointer(llm), _int32("seq_id", seq_id), out))

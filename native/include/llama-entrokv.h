@@ -293,8 +293,10 @@ LLAMA_API int32_t llama_entrokv_recall_plan(
         int32_t * out_pages, int32_t * out_n_pages, int32_t * out_cells, int32_t * out_n_cells);
 
 // For C programs: Page-EntroKV on sequence seq_id of a never-compacted cache, from the
-// last observed scores (the observed ubatch must end the prompt), then compaction (and
-// llama_entrokv_swa_trim on a model with sliding-window layers). Returns the tokens kept per group buffer, or a negative error (cache untouched).
+// last observed scores (the observed ubatch must end the prompt), then compaction, and on
+// a model with sliding-window layers llama_entrokv_swa_trim. Returns the tokens kept per
+// group buffer, or a negative error: the cache untouched, except a BACKEND error of the
+// compaction's or the trim's moves (their messages say what to do).
 LLAMA_API int32_t llama_entrokv_evict(
         struct llama_context * ctx,
         llama_seq_id seq_id,
@@ -330,10 +332,12 @@ LLAMA_API int32_t llama_entrokv_n_refused(struct llama_context * ctx);
 // and move the others, in position order and with their positions, to cells 0..k-1.
 // The sliding-window layers then read about n_swa cells instead of every cell used since
 // the cache was filled. No later token attends to a dropped cell; removing tokens from the
-// end afterwards (llama_memory_seq_rm) can bring back into the window positions whose
-// cells are gone, so trim only where the sequence will not be cut below its end (as after
-// a compaction, which already refuses such cuts). n_dropped (may be NULL): cells dropped.
-// UNSUPPORTED for a model without sliding-window layers; the cache is unchanged on error.
+// end afterwards (llama_memory_seq_rm) could bring back into the window positions whose
+// cells are gone, so the trim is accepted only right after a compaction of the base cache
+// through the sequence's last position (which refuses such cuts); INVALID_ARG otherwise.
+// n_dropped (may be NULL): cells dropped. UNSUPPORTED for a model without sliding-window
+// layers. On error the cache is unchanged, except after a backend failure while moving
+// (BACKEND, as for llama_entrokv_compact): its message says to remove the sequence.
 LLAMA_API int32_t llama_entrokv_swa_trim(
         struct llama_context * ctx,
         llama_seq_id seq_id,

@@ -216,9 +216,11 @@ extern "C" int32_t llama_entrokv_evict(llama_context * ctx, llama_seq_id seq_id,
         return rc;
     }
     if (geo.is_iswa) {
-        // the sliding-window cache after it; should this fail, it stays as it was (still correct)
-        llama_entrokv_swa_trim(ctx, seq_id, nullptr);
+        // the sliding-window cache after it: nothing can be refused here that the compaction accepted,
+        // only a backend failure while moving (its message says so)
+        if (int32_t rc = llama_entrokv_swa_trim(ctx, seq_id, nullptr)) {
+            return rc;
+        }
     }
-    llama_entrokv_ok();
     return lens[0];
 }

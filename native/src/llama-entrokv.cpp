@@ -866,6 +866,13 @@ int32_t llama_entrokv_access::swa_trim(llama_context * ctx, llama_seq_id seq_id,
         return rc;
     }
     const llama_pos pmax = cells.seq_pos_max(seq_id);
+    // a later cut of the sequence's tail would bring dropped cells back into the window: trim only where
+    // the base cache refuses such cuts, right after a compaction through the last position
+    const llama_entrokv_state * st = t.kv->entrokv.get();
+    if (n_seq_cells > 0 && (st == nullptr || !st->compacted() || st->pos_hi != pmax)) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "trim the sliding-window cache right after a compaction "
+                "(the base cache is compacted through position %d, the sequence ends at %d)", st && st->compacted() ? st->pos_hi : -1, pmax);
+    }
     for (uint32_t c = 0; c < cells.size(); ++c) {
         if (!cells.is_empty(c) && !llama_hparams::is_masked_swa(kv.n_swa, kv.swa_type, cells.pos_get(c), pmax)) {
             keep.emplace_back(cells.pos_get(c), (int32_t) c);
@@ -901,7 +908,10 @@ int32_t llama_entrokv_access::swa_trim(llama_context * ctx, llama_seq_id seq_id,
         if (n_dropped != nullptr) {
             *n_dropped = 0;
         }
-        return rc;
+        // a graph layer that failed after others moved: their cells no longer match the positions
+        const std::string why = llama_entrokv_last_error();
+        return llama_entrokv_fail(rc, "trimming the sliding-window cache failed (%s); some of its layers may have moved: "
+                "remove the sequence (llama_memory_seq_rm(mem, seq, -1, -1)) before decoding again", why.c_str());
     }
     cells.reset();
     for (int32_t j = 0; j < K; ++j) {
