@@ -62,14 +62,18 @@ int main(int argc, char ** argv) {
 """
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_a_c_program_evicts_with_page_entrokv(tmp_path, synth_models):
-    src = tmp_path / "evict.c"
-    src.write_text(PROGRAM)
-    exe = tmp_path / "evict"
+def _build_and_run(tmp_path, program: str, model, timeout: int) -> subprocess.CompletedProcess:
+    """Compile ``program`` against the installed header and libllama, run it on ``model``."""
+    src, exe = tmp_path / "prog.c", tmp_path / "prog"
+    src.write_text(program)
     subprocess.run(["cc", "-std=c11", "-Wall", "-Werror", "-I", str(include_dir()), str(src), "-o", str(exe),
                     "-L", str(lib_dir()), "-lllama", f"-Wl,-rpath,{lib_dir()}"], check=True, capture_output=True)
-    r = subprocess.run([str(exe), str(synth_models["llama-r3"])], capture_output=True, text=True, timeout=60)
+    return subprocess.run([str(exe), str(model)], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_a_c_program_evicts_with_page_entrokv(tmp_path, synth_models):
+    r = _build_and_run(tmp_path, PROGRAM, synth_models["llama-r3"], 60)
     assert r.returncode == 0, r.stderr[-2000:]
     head, norms = r.stdout.strip().split(" norms ")
     assert head == "kept 48 used 48 compactions 1 pos_max 119 after 139 bad -5"  # 120 tokens = 15 pages of 8
@@ -122,11 +126,7 @@ int main(int argc, char ** argv) {
 def test_a_c_program_evicts_gemma3_and_its_sliding_window_cache_is_trimmed(tmp_path, gemma3):
     """llama_entrokv_evict on a model with sliding-window layers also trims their cache: the
     sequence's first position there moves from 0 to the window's start (700 - 512)."""
-    src, exe = tmp_path / "swa.c", tmp_path / "swa"
-    src.write_text(SWA_PROGRAM)
-    subprocess.run(["cc", "-std=c11", "-Wall", "-Werror", "-I", str(include_dir()), str(src), "-o", str(exe),
-                    "-L", str(lib_dir()), "-lllama", f"-Wl,-rpath,{lib_dir()}"], check=True, capture_output=True)
-    r = subprocess.run([str(exe), str(gemma3)], capture_output=True, text=True, timeout=120)
+    r = _build_and_run(tmp_path, SWA_PROGRAM, gemma3, 120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().startswith("kept ") and r.stdout.strip().split(" swa ")[1] == \
         "min 0 -> 188 again 0 dropped 0 pos_max 707"

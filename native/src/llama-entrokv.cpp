@@ -890,7 +890,7 @@ int32_t llama_entrokv_access::swa_trim(llama_context * ctx, llama_seq_id seq_id,
     if (n_dropped != nullptr) {
         *n_dropped = (int32_t) (n_seq_cells - (uint32_t) K);
     }
-    if (K == 0 || (in_place && (uint32_t) K == n_seq_cells)) {
+    if (in_place && (uint32_t) K == n_seq_cells) {      // also an empty sequence
         return llama_entrokv_ok();
     }
     std::vector<int32_t> list(K);
