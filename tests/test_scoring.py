@@ -66,6 +66,47 @@ def test_an_observation_of_the_queries_only(synth_models, fa):
 
 
 @pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
+def test_the_decode_observer_hands_over_the_decodes_own_attention(synth_models, fa):
+    """llama_entrokv_set_decode_observer: every ubatch's last query, and its attention as the decode computed it
+    (rows), equal to numpy's over every key so far (F32 cache), through ubatches of several tokens and of one in
+    any order (ggml reuses a graph's allocation plan for graphs of the same shape: an output that only some graphs
+    flagged would be overwritten); with flash attention there are no rows, only the queries."""
+    cc = CapturingContext(synth_models["llama-r3"], flash_attn=fa, type_k=0)
+    rng = np.random.default_rng(8)
+    keys: dict[int, np.ndarray] = {}
+    views = []
+    try:
+        with Observation(cc.ctx, 1, handler=lambda v: views.append(v.copy()), keep_last=False, queries_only=True,
+                         rows=True) as obs:
+            P = 0
+            for n in (40, 1, 5, 1, 1, 12, 1):
+                cc.decode(rng.integers(3, 300, n))
+                P += n
+                v = views[-1]
+                assert obs.count == len(views) and v.pos_last == P - 1 and v.queries.shape[1] == 1
+                if fa:
+                    assert v.rows is None
+                    continue
+                assert v.rows.shape[:2] == (len(v.layer_ids), v.queries.shape[2]) and v.rows.shape[2] >= P
+                for li, il in enumerate(v.layer_ids):
+                    keys[il] = np.concatenate([keys.get(il, np.zeros((0,) + cc.captured[f"Kcur-{il}"].shape[1:],
+                                                                     np.float32)), cc.captured[f"Kcur-{il}"]])
+                    q = cc.captured[f"Qcur-{il}"][-1].astype(np.float64)           # [H, d]
+                    k = np.repeat(keys[il], q.shape[0] // keys[il].shape[1], axis=1).astype(np.float64)   # [P, H, d]
+                    logit = np.einsum("hd,phd->hp", q, k) / np.sqrt(32)
+                    ref = np.exp(logit - logit.max(-1, keepdims=True))
+                    ref /= ref.sum(-1, keepdims=True)
+                    assert np.abs(v.rows[li, :, :P] - ref).max() < 1e-5, (n, il)
+                    assert np.abs(v.rows[li, :, P:]).max() == 0.0               # empty cells get nothing
+                    # the queries are the same token's, scaled as attention scales them
+                    assert np.abs(v.queries[li, 0] - q / np.sqrt(32)).max() <= 1e-6 * max(1.0, np.abs(q).max())
+    finally:
+        cc.close()
+    with pytest.raises(ValueError, match="decode observer"):
+        Observation(None, 2, queries_only=True, rows=True)
+
+
+@pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
 @pytest.mark.parametrize("model", ["llama-r1", "llama-r2", "llama-r3", "llama-r6", "qwen2-r3"])
 def test_scores_match_reference_on_synthetic_models(synth_models, model, fa):
     toks = np.random.default_rng(3).integers(3, 300, 80)

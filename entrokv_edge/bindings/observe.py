@@ -32,6 +32,8 @@ class WindowScores:
               them (RoPE applied, times the model's scale: q . k is the logit of a cached key k)
     draft_queries float32 [L, k, H, head_dim] or None: the queries of k tokens drafted right after the
               window (a lookahead draft, removed again), as ``queries``
+    rows      float32 [L, H, n_rows] or None: the decode observer's rows, the model's own attention of a
+              one-token ubatch over cells 0..n_rows-1 (``Observation(..., rows=True)``)
     """
 
     scores: np.ndarray
@@ -42,6 +44,7 @@ class WindowScores:
     pos_last: int
     queries: np.ndarray | None = None
     draft_queries: np.ndarray | None = None
+    rows: np.ndarray | None = None
 
     @property
     def n_head_kv(self) -> int:
@@ -56,7 +59,8 @@ class WindowScores:
         return WindowScores(np.array(self.scores[:, :, :n], dtype=np.float64), self.true_pos[:, :n].copy(),
                             self.layer_ids.copy(), self.window, self.n_tokens, self.pos_last,
                             None if self.queries is None else self.queries.copy(),
-                            None if self.draft_queries is None else self.draft_queries.copy())
+                            None if self.draft_queries is None else self.draft_queries.copy(),
+                            None if self.rows is None else self.rows.copy())
 
 
 def head_slots(n_layers: int, n_head: int, n_head_kv: int) -> np.ndarray:
@@ -76,7 +80,10 @@ def _view(ffi, s) -> WindowScores:
     if s.head_dim > 0 and s.queries != ffi.NULL:
         q = np.frombuffer(ffi.buffer(s.queries, L * s.window * H * s.head_dim * 4),
                           dtype=np.float32).reshape(L, s.window, H, s.head_dim)
-    return WindowScores(scores, tpos, ids, s.window, s.n_tokens, s.pos_last, q)
+    rows = None
+    if s.n_rows > 0 and s.rows != ffi.NULL:
+        rows = np.frombuffer(ffi.buffer(s.rows, L * H * s.n_rows * 4), dtype=np.float32).reshape(L, H, s.n_rows)
+    return WindowScores(scores, tpos, ids, s.window, s.n_tokens, s.pos_last, q, rows=rows)
 
 
 class Observation:
@@ -86,15 +93,20 @@ class Observation:
     must not decode. ``last`` holds a copy of the last observed scores (unless
     ``keep_last=False``: a handler that reduces every view itself needs no copy). With
     ``queries_only`` no attention is computed: the views' scores and true_pos have 0 cells, and
-    their queries are the window's. Use as a context manager, or call ``start()`` / ``stop()``.
+    their queries are the window's. ``rows`` (the decode observer: queries only, window 1) also hands
+    over a one-token ubatch's attention as the decode computed it (``view.rows``; None where it did
+    not: flash attention, attention sinks, several tokens). Use as a context manager, or call
+    ``start()`` / ``stop()``.
     """
 
     def __init__(self, llm, window: int, handler: Callable[[WindowScores], None] | None = None,
-                 keep_last: bool = True, queries_only: bool = False):
+                 keep_last: bool = True, queries_only: bool = False, rows: bool = False):
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2**31:
             raise ValueError(f"window must be an integer >= 1 (and within int32), got {window!r}")
+        if rows and (window != 1 or not queries_only):
+            raise ValueError("rows=True is the decode observer: window 1 and queries_only")
         self.llm, self.window, self.handler, self.keep_last = llm, window, handler, keep_last
-        self.queries_only = queries_only
+        self.queries_only, self.rows = queries_only, rows
         self.last: WindowScores | None = None
         self.count = 0
         self._error: BaseException | None = None
@@ -121,6 +133,9 @@ class Observation:
 
     def start(self) -> "Observation":
         ffi, lib = _api()
+        if self.rows:
+            _check(lib.llama_entrokv_set_decode_observer(context_pointer(self.llm), self._cb, ffi.NULL))
+            return self
         set_observer = lib.llama_entrokv_set_query_observer if self.queries_only else lib.llama_entrokv_set_observer
         _check(set_observer(context_pointer(self.llm), self.window, self._cb, ffi.NULL))
         return self

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LLAMA_ENTROKV_API_VERSION 6
+#define LLAMA_ENTROKV_API_VERSION 7
 
 enum llama_entrokv_status {
     LLAMA_ENTROKV_OK                  =   0,
@@ -203,6 +203,10 @@ struct llama_entrokv_scores {
     const float   * queries;   // [n_layers][window][n_head][head_dim]: the window's queries as attention
                                // sees them (RoPE applied, times the model's kq_scale), so that q . k is the
                                // logit (before any softcap) of a key k as the cache holds it
+    int32_t   n_rows;       // cells covered by rows (0: no rows)
+    const float   * rows;      // [n_layers][n_head][n_rows] or NULL: the decode observer's rows, the model's own
+                               // attention of the ubatch's last token over cells 0..n_rows-1 (as the decode
+                               // computed it: without flash attention and attention sinks only)
 };
 
 // Called from inside llama_decode, once per observed ubatch, on the decoding thread. The
@@ -224,6 +228,16 @@ LLAMA_API int32_t llama_entrokv_set_observer(
 LLAMA_API int32_t llama_entrokv_set_query_observer(
         struct llama_context * ctx,
         int32_t window,
+        llama_entrokv_observer cb,
+        void * user_data);
+
+// The decode observer: every following ubatch's last query, as llama_entrokv_set_query_observer with
+// window 1, and that token's attention over the cache as the model computed it (rows: a copy of the
+// softmax the decode itself made, not a second pass over the keys). Where the decode makes none
+// (flash attention), adds attention sinks to it, or its logits are not q . k (a softcap, ALiBi), rows
+// is NULL. cb NULL: stop observing.
+LLAMA_API int32_t llama_entrokv_set_decode_observer(
+        struct llama_context * ctx,
         llama_entrokv_observer cb,
         void * user_data);
 

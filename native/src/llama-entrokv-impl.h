@@ -90,7 +90,7 @@ struct llama_entrokv_access {
     // observation (llama-entrokv-observe.cpp)
     static void    after_ubatch   (llama_context & lctx, const llm_graph_result * res, const struct llama_ubatch & ubatch);
     static void    on_context_free(llama_context * lctx);
-    static int32_t set_observer   (llama_context * ctx, int32_t window, bool queries_only,
+    static int32_t set_observer   (llama_context * ctx, int32_t window, bool queries_only, bool rows,
                                    void (*cb)(void *, const struct llama_entrokv_scores *), void * user_data);
     static int32_t last_scores    (llama_context * ctx, const struct llama_entrokv_scores ** out);
 };
@@ -98,8 +98,9 @@ struct llama_entrokv_access {
 // called by the patched build_attn after the attention of an eligible layer: when the
 // context observes (cparams.entrokv_window = w > 0) and the ubatch has >= w tokens, adds
 // to the graph the mean attention of its last w queries over every cached key, per query
-// head, as an output tensor [n_kv, n_head] of the graph result
+// head, as an output tensor [n_kv, n_head] of the graph result; `out` is the layer's attention output
+// (for the decode observer: the model's own softmax is found among its sources)
 void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_mask,
-        ggml_tensor * sinks, float kq_scale, int il);
+        ggml_tensor * sinks, float kq_scale, int il, ggml_tensor * out);
 
 

@@ -5,9 +5,11 @@
 // softcap, mask and sinks, softmax, then the mean over the w queries -> [n_kv, n_head].
 // The nodes run on whatever backend the scheduler assigns (the one holding the cache);
 // their temporaries are freed by the graph allocator once used, so only the [n_kv, n_head]
-// result of each layer stays. After the ubatch, llama_context hands the results to us;
-// we copy them to one host buffer (the only device-to-host copy), attach the true
-// positions of every (layer, KV head) slot, and call the observer.
+// result of each layer stays. The decode observer computes no attention: it copies the softmax
+// the layer made anyway (flash attention off) for the ubatch's last token. After the ubatch,
+// llama_context hands the results to us; we copy them to one host buffer (the only
+// device-to-host copy), attach the true positions of every (layer, KV head) slot, and call the
+// observer.
 
 #include "llama-entrokv.h"
 #include "llama-entrokv-impl.h"
@@ -30,14 +32,44 @@
 
 // the name prefix of the query outputs (the scores are "entrokv_scores-<il>")
 #define ENTROKV_Q_PREFIX "entrokv_q-"
-// cparams.entrokv_window: the window, and this bit when only the queries are observed (a different
+// ... and of the decode observer's attention rows
+#define ENTROKV_ROWS_PREFIX "entrokv_rows-"
+// cparams.entrokv_window: the window, this bit when only the queries are observed, and that one when
+// each ubatch's last token also hands over the model's own attention (the decode observer; a different
 // graph: the graph parameters compare the whole value)
 #define ENTROKV_QUERIES_ONLY 0x80000000u
+#define ENTROKV_ROWS         0x40000000u
+#define ENTROKV_FLAGS        (ENTROKV_QUERIES_ONLY | ENTROKV_ROWS)
+
+// The softmax of the attention whose output is `out`: without flash attention, build_attn_mha computes
+// kq = softmax(k . q) [n_kv, n_tokens, n_head] and then v . kq; the nearest softmax among out's sources
+// (breadth first, a few steps) is it. nullptr where there is none of that shape (flash attention).
+static ggml_tensor * attention_soft_max(ggml_tensor * out, int64_t n_kv, int64_t n_tokens, int64_t n_head) {
+    std::vector<ggml_tensor *> level {out}, next;
+    for (int depth = 0; depth < 5 && !level.empty(); ++depth) {
+        for (ggml_tensor * t : level) {
+            if (t->op == GGML_OP_SOFT_MAX) {
+                const bool ok = t->type == GGML_TYPE_F32 && t->ne[0] == n_kv && t->ne[1] == n_tokens && t->ne[2] == n_head &&
+                        t->ne[3] == 1 && ggml_is_contiguous(t);
+                return ok ? t : nullptr;
+            }
+            for (ggml_tensor * src : t->src) {
+                if (src != nullptr) {
+                    next.push_back(src);
+                }
+            }
+        }
+        level.swap(next);
+        next.clear();
+    }
+    return nullptr;
+}
 
 void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_mask,
-        ggml_tensor * sinks, float kq_scale, int il) {
+        ggml_tensor * sinks, float kq_scale, int il, ggml_tensor * out) {
     const bool    q_only = (g.cparams.entrokv_window & ENTROKV_QUERIES_ONLY) != 0;
-    const int64_t w      = g.cparams.entrokv_window & ~ENTROKV_QUERIES_ONLY;
+    const bool    rows   = (g.cparams.entrokv_window & ENTROKV_ROWS) != 0;
+    const int64_t w      = g.cparams.entrokv_window & ~ENTROKV_FLAGS;
     if (w <= 0 || q->ne[2] < w || k->ne[3] != 1 || g.arch == LLM_ARCH_GROK) {
         return;
     }
@@ -79,6 +111,24 @@ void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_te
         g.res->t_entrokv_il.push_back(il);
     }
 
+    // the decode observer: the model's own attention of the ubatch's last token over the cache, copied into an
+    // output of its own. Only where a logit is q . k (no softcap, no ALiBi: what the queries are for) and the
+    // rows are the attention over the cells alone (no sinks). Every graph of the observer has these nodes, the
+    // reserved worst case too: a graph's allocation plan is reused for graphs of the same shape, so an output
+    // that only some graphs flagged could be overwritten.
+    if (rows && sinks == nullptr && out != nullptr && !g.hparams.attn_soft_cap && g.hparams.f_max_alibi_bias == 0.0f) {
+        ggml_tensor * sm = attention_soft_max(out, n_kv, T, n_head);
+        if (sm != nullptr) {
+            ggml_tensor * r = ggml_view_3d(ctx0, sm, n_kv, 1, n_head, sm->nb[1], sm->nb[2], (T - 1) * sm->nb[1]);
+            r = ggml_cont(ctx0, r);                     // [n_kv, 1, n_head]
+            ggml_format_name(r, "%s%d", ENTROKV_ROWS_PREFIX, il);
+            ggml_set_output(r);
+            ggml_build_forward_expand(g.gf, r);
+            g.res->t_entrokv.push_back(r);
+            g.res->t_entrokv_il.push_back(il);
+        }
+    }
+
     // the window's queries, scaled as attention scales them: [hd, n_head, w], one more output
     // (told apart from the scores by its name when the ubatch is done)
     ggml_tensor * qo = ggml_cont(ctx0, ggml_view_3d(ctx0, q, q->ne[0], n_head, w, q->nb[1], q->nb[2], (T - w) * q->nb[2]));
@@ -104,6 +154,7 @@ struct entrokv_observer_state {
 
     std::vector<float>   scores;
     std::vector<float>   queries;
+    std::vector<float>   rows;
     std::vector<int32_t> true_pos;
     std::vector<int32_t> layer_ids;
     llama_entrokv_scores view {};
@@ -124,7 +175,7 @@ void llama_entrokv_access::on_context_free(llama_context * lctx) {
     g_obs.erase(lctx);
 }
 
-int32_t llama_entrokv_access::set_observer(llama_context * ctx, int32_t window, bool queries_only,
+int32_t llama_entrokv_access::set_observer(llama_context * ctx, int32_t window, bool queries_only, bool rows,
         void (*cb)(void *, const llama_entrokv_scores *), void * user_data) {
     entrokv_target t;
     if (int32_t rc = resolve(ctx, t)) {
@@ -147,7 +198,8 @@ int32_t llama_entrokv_access::set_observer(llama_context * ctx, int32_t window, 
         st->cb        = cb;
         st->user_data = user_data;
     }
-    const uint32_t value = (uint32_t) window | (queries_only && window > 0 ? ENTROKV_QUERIES_ONLY : 0u);
+    const uint32_t value = (uint32_t) window | (queries_only && window > 0 ? ENTROKV_QUERIES_ONLY : 0u) |
+            (queries_only && rows && window > 0 ? ENTROKV_ROWS : 0u);
     if (ctx->cparams.entrokv_window != value) {
         ctx->cparams.entrokv_window = value;
         // a different graph topology: no reuse (graph params compare the window) and a new reservation
@@ -178,14 +230,16 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
         return;
     }
     const llama_kv_cache & kv = *t.kv;
-    // the outputs of each observed layer: its scores (unless only the queries are observed), then its queries
-    std::vector<ggml_tensor *> ts, tq;
-    std::vector<int32_t> il_s, il_q;
+    // the outputs of each observed layer: its scores (unless only the queries are observed), its attention
+    // rows (the decode observer), then its queries
+    std::vector<ggml_tensor *> ts, tq, tr;
+    std::vector<int32_t> il_s, il_q, il_r;
     for (size_t i = 0; i < res->t_entrokv.size(); ++i) {
         ggml_tensor * x = res->t_entrokv[i];
         const bool is_q = strncmp(x->name, ENTROKV_Q_PREFIX, strlen(ENTROKV_Q_PREFIX)) == 0;
-        (is_q ? tq : ts).push_back(x);
-        (is_q ? il_q : il_s).push_back(res->t_entrokv_il[i]);
+        const bool is_r = strncmp(x->name, ENTROKV_ROWS_PREFIX, strlen(ENTROKV_ROWS_PREFIX)) == 0;
+        (is_q ? tq : is_r ? tr : ts).push_back(x);
+        (is_q ? il_q : is_r ? il_r : il_s).push_back(res->t_entrokv_il[i]);
     }
     const bool    q_only   = ts.empty();
     st->layer_ids          = q_only ? il_q : il_s;
@@ -200,7 +254,14 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
             hd = 0;
         }
     }
-    const int64_t w = (int64_t) (lctx.cparams.entrokv_window & ~ENTROKV_QUERIES_ONLY);
+    const int64_t w = (int64_t) (lctx.cparams.entrokv_window & ~ENTROKV_FLAGS);
+    // the attention rows when every observed layer has them, over one number of cells
+    int64_t n_rows = il_r == st->layer_ids && !tr.empty() ? tr[0]->ne[0] : 0;
+    for (ggml_tensor * x : tr) {
+        if (x->ne[0] != n_rows || x->ne[2] != n_head) {
+            n_rows = 0;
+        }
+    }
 
     auto get = [&](ggml_tensor * x, float * dst) {
         ggml_backend_t be = ggml_backend_sched_get_tensor_backend(lctx.sched.get(), x);
@@ -219,6 +280,10 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
     for (int32_t i = 0; hd > 0 && i < n_layers; ++i) {
         GGML_ASSERT(ggml_nelements(tq[i]) == w * n_head * hd);
         get(tq[i], st->queries.data() + (size_t) i * w * n_head * hd);
+    }
+    st->rows.resize((size_t) n_layers * n_head * n_rows);
+    for (int32_t i = 0; n_rows > 0 && i < n_layers; ++i) {     // [n_kv, 1, n_head], contiguous
+        get(tr[i], st->rows.data() + (size_t) i * n_head * n_rows);
     }
     ggml_backend_sched_synchronize(lctx.sched.get());
 
@@ -239,6 +304,8 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
     v.true_pos  = q_only ? nullptr : st->true_pos.data();
     v.head_dim  = (int32_t) hd;
     v.queries   = hd > 0 ? st->queries.data() : nullptr;
+    v.n_rows    = (int32_t) n_rows;
+    v.rows      = n_rows > 0 ? st->rows.data() : nullptr;
     st->have    = true;
 
     if (st->cb) {
@@ -249,11 +316,15 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
 extern "C" {
 
 int32_t llama_entrokv_set_observer(llama_context * ctx, int32_t window, llama_entrokv_observer cb, void * user_data) {
-    return llama_entrokv_access::set_observer(ctx, window, false, cb, user_data);
+    return llama_entrokv_access::set_observer(ctx, window, false, false, cb, user_data);
 }
 
 int32_t llama_entrokv_set_query_observer(llama_context * ctx, int32_t window, llama_entrokv_observer cb, void * user_data) {
-    return llama_entrokv_access::set_observer(ctx, window, true, cb, user_data);
+    return llama_entrokv_access::set_observer(ctx, window, true, false, cb, user_data);
+}
+
+int32_t llama_entrokv_set_decode_observer(llama_context * ctx, llama_entrokv_observer cb, void * user_data) {
+    return llama_entrokv_access::set_observer(ctx, cb != nullptr ? 1 : 0, true, true, cb, user_data);
 }
 
 int32_t llama_entrokv_last_scores(llama_context * ctx, const llama_entrokv_scores ** out) {
