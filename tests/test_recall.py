@@ -133,8 +133,9 @@ def test_sessions_keep_the_store_and_go_on_identically(model, tmp_path):
     for x, y in zip((a.recall.store.pos, a.recall.store.k, a.recall.store.v),
                     (b.recall.store.pos, b.recall.store.k, b.recall.store.v)):
         assert all(np.array_equal(p, q) for p, q in zip(x, y))
-    assert a.recall.steps and [p for _, p in a.recall.steps] == [p for _, p in b.recall.steps]   # mid-interval
-    assert all(np.array_equal(x, y) for (x, _), (y, _) in zip(a.recall.steps, b.recall.steps))
+    assert a.recall.steps and [x[1] for x in a.recall.steps] == [x[1] for x in b.recall.steps]   # mid-interval
+    assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[2], y[2]) for x, y in zip(a.recall.steps, b.recall.steps))
+    assert all(x[2] is not None for x in a.recall.steps)         # the steps' attention as the decode computed it
     for _ in range(60):                          # recalls and an eviction on the way, the same in both
         ta, tb = int(np.argmax(logits(a))), int(np.argmax(logits(b)))
         assert ta == tb
@@ -144,6 +145,30 @@ def test_sessions_keep_the_store_and_go_on_identically(model, tmp_path):
     c = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)           # recall off: the cache loads, the store is left
     c.load_session(tmp_path / "s.entrokv")
     assert c.n_tokens == a.n_tokens - 60 and c.kv_report()["recall"] == {"on": False}
+
+
+def test_a_recall_on_the_decodes_own_attention_decides_as_the_attention_computed_again(model, tmp_path):
+    """A decoding recall takes each decoded token's attention from the decode itself (the decode observer's
+    rows) instead of computing it again over every held key. On an F32 cache the two agree to rounding: one
+    session, recalled with the steps' rows and, loaded again, without them (the attention computed), moves the
+    same tokens into the same cells."""
+    kw = {**SETTINGS, "type_k": 0, "type_v": 0}
+    rc = {**RECALL, "every": 4096}                   # no recall until the test asks for one
+    a = ek.EntroKVLlama(model, n_ctx=256, recall=rc, **kw)
+    a.eval(prompt(500, 4))
+    decode(a, 6)
+    assert len(a.recall.steps) == 6 and all(x[2] is not None and x[2].shape[2] == a.recall.n_keep
+                                            for x in a.recall.steps)
+    a.save_session(tmp_path / "s.entrokv")
+    b = ek.EntroKVLlama(model, n_ctx=256, recall=rc, **kw)
+    b.load_session(tmp_path / "s.entrokv")
+    b.recall.steps = [(q, p, None) for q, p, _ in b.recall.steps]
+    na, nb = a.recall.step(a), b.recall.step(b)
+    assert na == nb > 0
+    assert (a.recall.n_from_decode, b.recall.n_from_decode) == (1, 0)
+    assert a.kv_report()["recall"]["recalls_on_decode_attention"] == 1
+    assert np.array_equal(ek.true_positions(a), ek.true_positions(b))
+    assert np.array_equal(a.recall.store.pos, b.recall.store.pos)
 
 
 def test_recall_settings_are_checked(model):
@@ -194,15 +219,18 @@ def test_a_held_draft_joins_the_decoding_recalls_until_the_answer_passes_it(mode
     assert hq.shape[1] == 6 and np.array_equal(hpos, np.arange(n, n + 6))
     seen = []
     exact = R.Recall._exact
-    R.Recall._exact = lambda self, l, q, qpos, N: (seen.append((q.copy(), qpos.copy())), exact(self, l, q, qpos, N))[1]
+    R.Recall._exact = lambda self, l, q, qpos, N, rows=None: (seen.append((q.copy(), qpos.copy(), rows)),
+                                                              exact(self, l, q, qpos, N, rows))[1]
     try:
         decode(llm, 2)                                        # every=2: one recall, after positions n, n + 1
         llm.save_session(tmp_path / "s.entrokv")
         decode(llm, 6)
     finally:
         R.Recall._exact = exact
-    q, qpos = seen[0]
+    q, qpos, rows = seen[0]
     assert qpos.tolist() == [n, n + 1, n + 2, n + 3, n + 4, n + 5]        # decoded, then the draft ahead
+    assert rows is None                 # the draft's queries were not decoded: the attention is computed for all
+    assert seen[3][2] is not None and len(seen[3][2]) == 2          # the decode's own, once the draft is passed
     assert np.array_equal(q[:, 2:], hq[:, 2:])
     assert seen[1][1].tolist() == [n + 2, n + 3, n + 4, n + 5]
     assert seen[2][1].tolist() == [n + 4, n + 5] and llm.recall.held is None     # passed: dropped

@@ -549,7 +549,8 @@ class EntroKVLlama(llama_cpp.Llama):
         self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
         self._ensure_ids(self.n_tokens + 1)
         if self._recall_obs is None:
-            self._recall_obs = Observation(self, 1, handler=self.recall.observe, keep_last=False, queries_only=True)
+            self._recall_obs = Observation(self, 1, handler=self.recall.observe, keep_last=False, queries_only=True,
+                                           rows=True)
             self._recall_obs.llm = weakref.proxy(self)      # it stays with the instance: no cycle back to it
         self._recall_obs.start()
         super().eval(tokens)
@@ -608,7 +609,8 @@ class EntroKVLlama(llama_cpp.Llama):
                 "store_pages": st.n_pages() if st is not None else 0,
                 "store_bytes": nb["rows"] + nb["positions"], "digest_bytes": nb["digests"],
                 "store_bytes_in_memory": (0 if rc.config.directory else nb["rows"]) + nb["positions"],
-                "recalls": rc.n_recalls, "recalled_tokens": rc.recalled, "recall_s": self.recall_s,
+                "recalls": rc.n_recalls, "recalls_on_decode_attention": rc.n_from_decode,
+                "recalled_tokens": rc.recalled, "recall_s": self.recall_s,
                 "drafted_tokens": rc.drafted}
 
     def save_session(self, path: str | Path, extra: dict | None = None) -> None:

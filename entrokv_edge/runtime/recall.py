@@ -391,13 +391,15 @@ class Recall:
         self.config, self._eviction = config, eviction
         self.page = config.page_size
         self.store: Store | None = None
-        self.steps: list[tuple] = []          # per observed token: (queries [L, H, d], its true position)
+        self.steps: list[tuple] = []          # per observed token: (queries [L, H, d], its true position, its
+                                              # attention over the compacted cells [L, H, n_keep] or None)
         self.n_keep = 0                       # compacted cells after the last eviction (set by the runtime)
         self.n_at_eviction = 0                # logical length at the last eviction
         self.recalled = 0                     # tokens brought back, all slots together
         self.n_recalls = 0
         self.drafted = 0                      # tokens drafted at turns to drive a recall (turn_draft), then removed
         self.held: tuple | None = None        # hold_draft: the last turn's draft queries [L, k, H, d], positions [k]
+        self.n_from_decode = 0                # decoding recalls on the decode's own attention (not computed again)
         self._keys = None                     # float32 [S, d, n_keep]: the compacted cells' keys (transposed), kept
         self._keys_pos = None                 # between recalls, and the true positions they were read for [S, n_keep]
 
@@ -447,6 +449,8 @@ class Recall:
         out = {"recall_pos": st.pos.copy(), "recall_k": st.k.gather(si, e), "recall_v": st.v.gather(si, e),
                "recall_info": np.array([self.n_keep, self.n_at_eviction], np.int64),
                "recall_q": q, "recall_qpos": np.array([x[1] for x in self.steps], np.int64)}
+        if self.steps and all(x[2] is not None for x in self.steps):      # their attention as the decode computed it
+            out["recall_rows"] = np.stack([x[2] for x in self.steps])
         if self.held is not None:
             out["recall_hq"], out["recall_hpos"] = self.held[0].copy(), self.held[1].astype(np.int64)
         return out
@@ -465,6 +469,10 @@ class Recall:
         if n_steps and (qpos.shape != (n_steps,) or q.shape[1] != g.n_layers or qpos.min() < 0
                         or qpos.max() > g.pos_max):
             raise ValueError("its recall store's observed steps do not fit this cache")
+        rows = np.asarray(a["recall_rows"], np.float32) if "recall_rows" in a else None
+        if rows is not None and (rows.ndim != 4 or rows.shape[:3] != q.shape[:3] or info.shape != (2,)
+                                 or rows.shape[3] != int(info[0])):
+            raise ValueError("its recall store's observed attention does not fit this cache")
         held = None
         if "recall_hq" in a:
             held = (np.asarray(a["recall_hq"], np.float32), np.asarray(a["recall_hpos"], np.int64))
@@ -480,18 +488,20 @@ class Recall:
         store.add(pos.astype(np.int32), np.ascontiguousarray(k, np.uint8), np.ascontiguousarray(v, np.uint8))
         self.store = store
         self.n_keep, self.n_at_eviction = int(info[0]), int(info[1])
-        self.steps = [(q[i], int(qpos[i])) for i in range(n_steps)]
+        self.steps = [(q[i], int(qpos[i]), None if rows is None else rows[i]) for i in range(n_steps)]
         if held is not None and self.config.hold_draft:
             self.held = held
 
     # --- generation -----------------------------------------------------------------
 
     def observe(self, view: WindowScores) -> None:
-        """Inside llama_decode, for a decoded token (an observation of its queries only): keep its
-        queries and position."""
+        """Inside llama_decode, for a decoded token (the decode observer): keep its queries, its position
+        and, where the decode handed them over, its attention over the compacted cells (``view.rows``)."""
         if view.queries is None or self.n_keep == 0:
             return
-        self.steps.append((view.queries[:, -1].copy(), int(view.pos_last)))
+        rows = view.rows
+        rows = rows[:, :, : self.n_keep].copy() if rows is not None and rows.shape[2] >= self.n_keep else None
+        self.steps.append((view.queries[:, -1].copy(), int(view.pos_last), rows))
 
     def due(self) -> bool:
         return self.store is not None and self.store.n_tokens > 0 and len(self.steps) >= self.config.every
@@ -502,15 +512,18 @@ class Recall:
         steps, self.steps = self.steps, []
         if not steps:
             return 0
-        q, qpos = np.stack([q for q, _ in steps], 1), np.array([p for _, p in steps])
+        q, qpos = np.stack([x[0] for x in steps], 1), np.array([x[1] for x in steps])
+        # the decode's own attention of every step, where each has it (else it is computed below, exactly)
+        rows = [x[2] for x in steps] if all(x[2] is not None for x in steps) else None
         if self.held is not None:          # hold_draft: the draft's queries for the answer tokens not decoded yet
             hq, hpos = self.held
             ahead = hpos > qpos.max()
             if ahead.any():
                 q, qpos = np.concatenate([q, hq[:, ahead]], 1), np.concatenate([qpos, hpos[ahead]])
+                rows = None
             else:
                 self.held = None
-        return self._exact(llm, q, qpos, self.config.pages)
+        return self._exact(llm, q, qpos, self.config.pages, rows)
 
     def hold(self, queries: np.ndarray, pos_last: int) -> None:
         """hold_draft: keep a turn's draft queries (float32 [L, k, H, d], the last at ``pos_last``) for the
@@ -530,10 +543,11 @@ class Recall:
         I = queries.shape[1]
         return self._exact(llm, queries, pos_last - I + 1 + np.arange(I), self.config.turn_pages)
 
-    def _exact(self, llm, queries: np.ndarray, qpos: np.ndarray, n_pages: int) -> int:
+    def _exact(self, llm, queries: np.ndarray, qpos: np.ndarray, n_pages: int, rows: list | None = None) -> int:
         """A recall for queries float32 [L, I, H, d] at true positions qpos [I]: their attention over
-        the cache is computed exactly from every held key (causal by true position), then ``n_pages``
-        pages are offered per buffer."""
+        the cache, as the decode computed it (``rows``: per query token float32 [L, H, n_keep], its
+        attention over the compacted cells) or computed here exactly from every held key (causal by
+        true position), then ``n_pages`` pages are offered per buffer."""
         g = self._ready(llm)
         if g is None:
             return 0
@@ -541,6 +555,10 @@ class Recall:
         qt = np.asarray(queries).transpose(0, 2, 1, 3)                     # [L, H, I, d]
         I = qt.shape[2]
         tp = true_positions(llm)
+        if rows is not None:
+            n = self._decoded(llm, g, qt, rows, tp, n_pages)
+            if n is not None:
+                return n
         held = tp >= 0
         col = np.flatnonzero(held.any(0))
         if held[:, col].all():          # the usual case: every slot holds the same cells (a token fills one cell in all)
@@ -579,6 +597,32 @@ class Recall:
             # the attention over the compacted cells: these values times 1 / total (the plan multiplies them)
             return q, logit[..., : self.n_keep], m[..., 0] + np.log(total), 1.0 / total
         return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, cells.shape[1])
+
+    def _decoded(self, llm, g, qt: np.ndarray, rows: list, tp: np.ndarray, n_pages: int) -> int | None:
+        """_exact with the decode's own attention: ``rows`` per query token [L, H, n_keep] (softmax over the
+        whole cache as the token saw it). A query's log-sum-exp is its logit of the cell it attends most,
+        minus the log of that attention. None (nothing done) where a query has no attention on the
+        compacted cells."""
+        S, r, sl, hs = self._slots(g, qt.shape[1])
+        I, L, H, n = len(rows), g.n_layers, qt.shape[1], self.n_keep
+        G = S // L
+        att = np.stack(rows).reshape(I, L, G, r, n).transpose(1, 2, 0, 3, 4).reshape(S, I, r, n)   # [S, I, r, n]
+        top = att.argmax(-1)                                                                  # [S, I, r]
+        p_top = np.take_along_axis(att, top[..., None], -1)[..., 0]
+        resident = self._resident_keys(llm, g, tp)                                            # [S, d, n_keep]
+        q = np.ascontiguousarray(qt[sl, hs].transpose(0, 2, 1, 3), np.float32)                # [S, I, r, d]
+        k_top = resident[np.arange(S)[:, None, None], :, top]                                    # [S, I, r, d]
+        logit = np.einsum("sird,sird->sir", q, k_top)
+        with np.errstate(divide="ignore"):
+            lse = (logit - np.log(p_top)).astype(np.float32)
+        if not np.isfinite(lse).all():            # a query with no attention left on the compacted cells
+            return None
+
+        def inputs(ss):
+            a, b = int(ss[0]), int(ss[-1]) + 1
+            return q[a:b], att[a:b], lse[a:b], None
+        self.n_from_decode += 1
+        return self._swap(llm, g, tp[:, : n], inputs, I * r, n_pages, n)
 
     def _resident_keys(self, llm, g, tp: np.ndarray) -> np.ndarray:
         """float32 [S, d, n_keep] (transposed, for the matrix products): the keys of the compacted cells,

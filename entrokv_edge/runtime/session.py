@@ -30,6 +30,7 @@ _ARRAYS = ("llama_state", "logits", "input_ids", "true_pos")
 _WS = ("ws_scores", "ws_true_pos", "ws_layers", "ws_info")
 _RECALL = ("recall_pos", "recall_k", "recall_v", "recall_info", "recall_q", "recall_qpos")
 _HELD = ("recall_hq", "recall_hpos")       # a turn's draft queries, held (recall's hold_draft)
+_ROWS = ("recall_rows",)                   # the decoded tokens' attention as the decode computed it, where it did
 
 
 class SessionError(ValueError):
@@ -82,7 +83,7 @@ def _arrays(state: EntroKVState) -> dict[str, np.ndarray]:
                    ws_layers=np.asarray(ws.layer_ids, dtype=np.int32),
                    ws_info=np.array([ws.window, ws.n_tokens, ws.pos_last], np.int64))
     if state.recall:
-        out.update({k: np.asarray(state.recall[k]) for k in _RECALL + _HELD if k in state.recall})
+        out.update({k: np.asarray(state.recall[k]) for k in _RECALL + _HELD + _ROWS if k in state.recall})
     return out
 
 
@@ -141,6 +142,7 @@ def read(path: str | os.PathLike) -> EntroKVState:
     # (it kept their attention instead): the store loads, those tokens' queries do not
     recall = {*_RECALL} - ({"recall_qpos"} if "recall_qpos" not in sums else set())
     recall |= {*_HELD} if "recall_hq" in sums else set()
+    recall |= {*_ROWS} if "recall_rows" in sums else set()
     want = set(_ARRAYS) | ({*_WS} if "ws_scores" in sums else set()) | (recall if "recall_pos" in sums else set())
     for k in sorted(want):
         if k not in arrays or k not in sums:
@@ -169,7 +171,7 @@ def _state(arrays: dict, meta: dict, with_scores: bool) -> EntroKVState:
     return EntroKVState(input_ids=arrays["input_ids"], n_tokens=n, llama_state=arrays["llama_state"].tobytes(),
                         seed=int(meta["seed"]), logits=arrays["logits"], true_pos=arrays["true_pos"],
                         window_scores=ws, settings=meta["settings"], identity=meta["identity"],
-                        extra=meta.get("extra", {}), recall={k: arrays[k] for k in _RECALL + _HELD if k in arrays})
+                        extra=meta.get("extra", {}), recall={k: arrays[k] for k in _RECALL + _HELD + _ROWS if k in arrays})
 
 
 def mismatch(saved: dict, here: dict) -> str | None:
