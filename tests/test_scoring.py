@@ -65,45 +65,66 @@ def test_an_observation_of_the_queries_only(synth_models, fa):
         cc.close()
 
 
-@pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
-def test_the_decode_observer_hands_over_the_decodes_own_attention(synth_models, fa):
-    """llama_entrokv_set_decode_observer: every ubatch's last query, and its attention as the decode computed it
-    (rows), equal to numpy's over every key so far (F32 cache), through ubatches of several tokens and of one in
-    any order (ggml reuses a graph's allocation plan for graphs of the same shape: an output that only some graphs
-    flagged would be overwritten); with flash attention there are no rows, only the queries."""
-    cc = CapturingContext(synth_models["llama-r3"], flash_attn=fa, type_k=0)
-    rng = np.random.default_rng(8)
+def check_decode_observer(path, chunks, flash_attn, type_k, head_dim, tol):
+    """llama_entrokv_set_decode_observer over ubatches ``chunks`` (token lists) decoded in turn: each ubatch's last
+    query, and its attention as the decode computed it (rows) against numpy's over every key so far (an F16 cache
+    rounds K and, in ggml's matmul, Q to F16: the reference does too); with flash attention no rows."""
+    cc = CapturingContext(path, flash_attn=flash_attn, type_k=type_k)
     keys: dict[int, np.ndarray] = {}
     views = []
     try:
         with Observation(cc.ctx, 1, handler=lambda v: views.append(v.copy()), keep_last=False, queries_only=True,
                          rows=True) as obs:
             P = 0
-            for n in (40, 1, 5, 1, 1, 12, 1):
-                cc.decode(rng.integers(3, 300, n))
-                P += n
+            for toks in chunks:
+                cc.decode(toks)
+                P += len(toks)
                 v = views[-1]
                 assert obs.count == len(views) and v.pos_last == P - 1 and v.queries.shape[1] == 1
-                if fa:
+                if flash_attn:
                     assert v.rows is None
                     continue
                 assert v.rows.shape[:2] == (len(v.layer_ids), v.queries.shape[2]) and v.rows.shape[2] >= P
                 for li, il in enumerate(v.layer_ids):
-                    keys[il] = np.concatenate([keys.get(il, np.zeros((0,) + cc.captured[f"Kcur-{il}"].shape[1:],
-                                                                     np.float32)), cc.captured[f"Kcur-{il}"]])
-                    q = cc.captured[f"Qcur-{il}"][-1].astype(np.float64)           # [H, d]
-                    k = np.repeat(keys[il], q.shape[0] // keys[il].shape[1], axis=1).astype(np.float64)   # [P, H, d]
-                    logit = np.einsum("hd,phd->hp", q, k) / np.sqrt(32)
+                    kc = cc.captured[f"Kcur-{il}"]
+                    keys[il] = np.concatenate([keys.get(il, np.zeros((0,) + kc.shape[1:], np.float32)), kc])
+                    q, k = cc.captured[f"Qcur-{il}"][-1], keys[il]                  # [H, d], [P, G, d]
+                    if type_k == 1:
+                        q, k = q.astype(np.float16), k.astype(np.float16)
+                    k = np.repeat(k, q.shape[0] // k.shape[1], axis=1).astype(np.float64)    # [P, H, d]
+                    logit = np.einsum("hd,phd->hp", q.astype(np.float64), k) / np.sqrt(head_dim)
                     ref = np.exp(logit - logit.max(-1, keepdims=True))
                     ref /= ref.sum(-1, keepdims=True)
-                    assert np.abs(v.rows[li, :, :P] - ref).max() < 1e-5, (n, il)
+                    assert np.abs(v.rows[li, :, :P] - ref).max() < tol, (len(toks), il)
                     assert np.abs(v.rows[li, :, P:]).max() == 0.0               # empty cells get nothing
                     # the queries are the same token's, scaled as attention scales them
-                    assert np.abs(v.queries[li, 0] - q / np.sqrt(32)).max() <= 1e-6 * max(1.0, np.abs(q).max())
+                    qs = cc.captured[f"Qcur-{il}"][-1] / np.sqrt(head_dim)
+                    assert np.abs(v.queries[li, 0] - qs).max() <= 1e-6 * max(1.0, np.abs(qs).max())
     finally:
         cc.close()
+
+
+@pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
+def test_the_decode_observer_hands_over_the_decodes_own_attention(synth_models, fa):
+    """Through ubatches of several tokens and of one in any order: ggml reuses a graph's allocation plan for
+    graphs of the same shape, so an output that only some graphs flagged would be overwritten."""
+    rng = np.random.default_rng(8)
+    chunks = [rng.integers(3, 300, n) for n in (40, 1, 5, 1, 1, 12, 1)]
+    check_decode_observer(synth_models["llama-r3"], chunks, fa, type_k=0, head_dim=32, tol=1e-5)
     with pytest.raises(ValueError, match="decode observer"):
         Observation(None, 2, queries_only=True, rows=True)
+
+
+@pytest.mark.parametrize("model", ["smollm2", "qwen25"])
+def test_the_decode_observer_on_real_models(request, model):
+    """SmolLM2 (r = 3) and Qwen2.5 (r = 7, biased Q/K projections), F16 caches: a prompt, then decoded tokens."""
+    import llama_cpp
+    path = request.getfixturevalue(model)
+    m = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    toks = m.tokenize(b"In the quiet harbour town, the keeper of the lighthouse kept a ledger of every ship. "
+                      b"One night he wrote the code 4417 beside the name of a schooner that never came back.")
+    chunks = [toks[:-3], toks[-3:-2], toks[-2:-1], toks[-1:]]
+    check_decode_observer(path, chunks, False, type_k=1, head_dim=64, tol=1e-4)
 
 
 @pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])

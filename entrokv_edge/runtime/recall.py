@@ -6,9 +6,10 @@ store: their K and V rows in the cache's own types, their true positions, and pe
 ``page_size`` true positions the mean of its keys (the digest, a float vector per page). Then,
 per slot:
 
-- while the runtime generates, each decoded token's queries are observed (not its attention:
-  that would be a second pass over the cache in every step); every ``every`` tokens those queries
-  score the cache exactly (every held key read once), the digests rank the stored pages by the
+- while the runtime generates, each decoded token's queries and its attention over the cache are
+  observed (the attention as the decode computed it: a copy, not a second pass over the cache); every
+  ``every`` tokens that attention (or, where the decode made none, the queries against every held key)
+  scores the cache exactly, the digests rank the stored pages by the
   attention mass their mean key would get (relative to the cache's log-sum-exp), and the top
   ``pages`` pages are read and scored exactly;
 - at a new turn, the same with the turn's observed queries and ``turn_pages`` pages; those queries were
