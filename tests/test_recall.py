@@ -153,7 +153,7 @@ def test_a_recall_on_the_decodes_own_attention_decides_as_the_attention_computed
     session, recalled with the steps' rows and, loaded again, without them (the attention computed), moves the
     same tokens into the same cells."""
     kw = {**SETTINGS, "type_k": 0, "type_v": 0}
-    rc = {**RECALL, "every": 4096}                   # no recall until the test asks for one
+    rc = {**RECALL, "every": 4096, "hold_draft": False}     # no recall until the test asks for one, no draft held
     a = ek.EntroKVLlama(model, n_ctx=256, recall=rc, **kw)
     a.eval(prompt(500, 4))
     decode(a, 6)
@@ -169,6 +169,33 @@ def test_a_recall_on_the_decodes_own_attention_decides_as_the_attention_computed
     assert a.kv_report()["recall"]["recalls_on_decode_attention"] == 1
     assert np.array_equal(ek.true_positions(a), ek.true_positions(b))
     assert np.array_equal(a.recall.store.pos, b.recall.store.pos)
+    # a saved attention that does not fit the cache is refused, as the rest of a store that does not fit
+    decode(a, 2)
+    saved = a.recall.arrays()
+    g = ek.geometry(a)
+    assert saved["recall_rows"].shape == (2, g.n_layers, saved["recall_q"].shape[2], a.recall.n_keep)   # [steps, L, H, n]
+    for bad in (saved["recall_rows"][:, :, :, :-1], saved["recall_rows"][:1], saved["recall_rows"][0]):
+        with pytest.raises(ValueError, match="observed attention"):
+            a.recall.load(a, {**saved, "recall_rows": bad})
+    a.recall.load(a, saved)                           # and the one that fits loads
+    assert all(np.array_equal(x[2], r) for x, r in zip(a.recall.steps, saved["recall_rows"]))
+
+
+def test_the_decoded_steps_attention_is_kept_within_its_bound(model, monkeypatch):
+    """The decoded steps keep their attention only while every step since the last recall has it and their
+    bytes stay within ROWS_BYTES; past it the earlier steps' are dropped too and the recall computes it."""
+    from entrokv_edge.runtime import recall as R
+    a = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "every": 4096, "hold_draft": False}, **SETTINGS)
+    a.eval(prompt(500, 4))
+    decode(a, 2)
+    one = a.recall.steps[0][2].nbytes
+    assert all(x[2] is not None for x in a.recall.steps)
+    monkeypatch.setattr(R, "ROWS_BYTES", 3 * one)
+    decode(a, 1)
+    assert all(x[2] is not None for x in a.recall.steps) and len(a.recall.steps) == 3
+    decode(a, 1)
+    assert len(a.recall.steps) == 4 and all(x[2] is None for x in a.recall.steps)
+    assert a.recall.step(a) > 0 and a.recall.n_from_decode == 0
 
 
 def test_recall_settings_are_checked(model):

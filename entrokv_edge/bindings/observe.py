@@ -32,8 +32,8 @@ class WindowScores:
               them (RoPE applied, times the model's scale: q . k is the logit of a cached key k)
     draft_queries float32 [L, k, H, head_dim] or None: the queries of k tokens drafted right after the
               window (a lookahead draft, removed again), as ``queries``
-    rows      float32 [L, H, n_rows] or None: the decode observer's rows, the model's own attention of a
-              one-token ubatch over cells 0..n_rows-1 (``Observation(..., rows=True)``)
+    rows      float32 [L, H, n_rows] or None: the decode observer's rows, the model's own attention of the
+              ubatch's last token over cells 0..n_rows-1 (``Observation(..., rows=True)``)
     """
 
     scores: np.ndarray
@@ -94,9 +94,9 @@ class Observation:
     ``keep_last=False``: a handler that reduces every view itself needs no copy). With
     ``queries_only`` no attention is computed: the views' scores and true_pos have 0 cells, and
     their queries are the window's. ``rows`` (the decode observer: queries only, window 1) also hands
-    over a one-token ubatch's attention as the decode computed it (``view.rows``; None where it did
-    not: flash attention, attention sinks, several tokens). Use as a context manager, or call
-    ``start()`` / ``stop()``.
+    over the ubatch's last token's attention as the decode computed it (``view.rows``; None where it
+    made none or its logits are not q . k: flash attention, attention sinks, a softcap, a bias, ALiBi).
+    Use as a context manager, or call ``start()`` / ``stop()``.
     """
 
     def __init__(self, llm, window: int, handler: Callable[[WindowScores], None] | None = None,

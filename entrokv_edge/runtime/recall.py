@@ -8,8 +8,8 @@ per slot:
 
 - while the runtime generates, each decoded token's queries and its attention over the cache are
   observed (the attention as the decode computed it: a copy, not a second pass over the cache); every
-  ``every`` tokens that attention (or, where the decode made none, the queries against every held key)
-  scores the cache exactly, the digests rank the stored pages by the
+  ``every`` tokens that attention (or, where the decode made none or a held draft joins the queries,
+  the queries against every held key) scores the cache exactly, the digests rank the stored pages by the
   attention mass their mean key would get (relative to the cache's log-sum-exp), and the top
   ``pages`` pages are read and scored exactly;
 - at a new turn, the same with the turn's observed queries and ``turn_pages`` pages; those queries were
@@ -497,12 +497,19 @@ class Recall:
 
     def observe(self, view: WindowScores) -> None:
         """Inside llama_decode, for a decoded token (the decode observer): keep its queries, its position
-        and, where the decode handed them over, its attention over the compacted cells (``view.rows``)."""
+        and, where the decode handed them over, its attention over the compacted cells (``view.rows``). The
+        attention is kept while every step since the last recall has it, on a cache of floats (a quantized
+        K rounds the decode's queries too coarsely for the log-sum-exp taken from it), and within
+        ROWS_BYTES; otherwise the recall computes it."""
         if view.queries is None or self.n_keep == 0:
             return
-        rows = view.rows
-        rows = rows[:, :, : self.n_keep].copy() if rows is not None and rows.shape[2] >= self.n_keep else None
-        self.steps.append((view.queries[:, -1].copy(), int(view.pos_last), rows))
+        rows, n = view.rows, self.n_keep
+        keep = (rows is not None and rows.shape[2] >= n and self.store is not None
+                and self.store.type_k in ("f32", "f16", "bf16") and all(x[2] is not None for x in self.steps)
+                and (len(self.steps) + 1) * rows.shape[0] * rows.shape[1] * n * 4 <= ROWS_BYTES)
+        if not keep and any(x[2] is not None for x in self.steps):
+            self.steps = [(q, p, None) for q, p, _ in self.steps]        # no longer of use: freed
+        self.steps.append((view.queries[:, -1].copy(), int(view.pos_last), rows[:, :, :n].copy() if keep else None))
 
     def due(self) -> bool:
         return self.store is not None and self.store.n_tokens > 0 and len(self.steps) >= self.config.every
@@ -720,6 +727,7 @@ def _smallest(x: np.ndarray, k: int) -> np.ndarray:
 
 
 CHUNK_BYTES = 16 << 20      # a recall's temporaries per group of slots planned together
+ROWS_BYTES = 64 << 20       # the decoded steps' attention kept between two recalls (about 9 MiB on Qwen2.5 at 8k)
 
 
 def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.ndarray, tp: np.ndarray,

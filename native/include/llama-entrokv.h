@@ -234,8 +234,8 @@ LLAMA_API int32_t llama_entrokv_set_query_observer(
 // The decode observer: every following ubatch's last query, as llama_entrokv_set_query_observer with
 // window 1, and that token's attention over the cache as the model computed it (rows: a copy of the
 // softmax the decode itself made, not a second pass over the keys). Where the decode makes none
-// (flash attention), adds attention sinks to it, or its logits are not q . k (a softcap, ALiBi), rows
-// is NULL. cb NULL: stop observing.
+// (flash attention), adds attention sinks to it, or its logits are not q . k (a softcap, a bias,
+// ALiBi), rows is NULL. cb NULL: stop observing.
 LLAMA_API int32_t llama_entrokv_set_decode_observer(
         struct llama_context * ctx,
         llama_entrokv_observer cb,

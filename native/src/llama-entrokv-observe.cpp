@@ -43,14 +43,15 @@
 
 // The softmax of the attention whose output is `out`: without flash attention, build_attn_mha computes
 // kq = softmax(k . q) [n_kv, n_tokens, n_head] and then v . kq; the nearest softmax among out's sources
-// (breadth first, a few steps) is it. nullptr where there is none of that shape (flash attention).
+// (breadth first, a few steps) is it. nullptr where there is none of that shape (flash attention), or where
+// its logits are not the product k . q itself (a softcap or a bias added in between).
 static ggml_tensor * attention_soft_max(ggml_tensor * out, int64_t n_kv, int64_t n_tokens, int64_t n_head) {
     std::vector<ggml_tensor *> level {out}, next;
     for (int depth = 0; depth < 5 && !level.empty(); ++depth) {
         for (ggml_tensor * t : level) {
             if (t->op == GGML_OP_SOFT_MAX) {
                 const bool ok = t->type == GGML_TYPE_F32 && t->ne[0] == n_kv && t->ne[1] == n_tokens && t->ne[2] == n_head &&
-                        t->ne[3] == 1 && ggml_is_contiguous(t);
+                        t->ne[3] == 1 && ggml_is_contiguous(t) && t->src[0] != nullptr && t->src[0]->op == GGML_OP_MUL_MAT;
                 return ok ? t : nullptr;
             }
             for (ggml_tensor * src : t->src) {
@@ -112,7 +113,7 @@ void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_te
     }
 
     // the decode observer: the model's own attention of the ubatch's last token over the cache, copied into an
-    // output of its own. Only where a logit is q . k (no softcap, no ALiBi: what the queries are for) and the
+    // output of its own. Only where a logit is q . k (no softcap, bias or ALiBi: what the queries are for) and the
     // rows are the attention over the cells alone (no sinks). Every graph of the observer has these nodes, the
     // reserved worst case too: a graph's allocation plan is reused for graphs of the same shape, so an output
     // that only some graphs flagged could be overwritten.
