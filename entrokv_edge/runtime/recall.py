@@ -504,10 +504,11 @@ class Recall:
         if view.queries is None or self.n_keep == 0:
             return
         rows, n = view.rows, self.n_keep
+        had = bool(self.steps) and self.steps[-1][2] is not None        # the steps have it all, or none of them
         keep = (rows is not None and rows.shape[2] >= n and self.store is not None
-                and self.store.type_k in ("f32", "f16", "bf16") and all(x[2] is not None for x in self.steps)
+                and self.store.type_k in ("f32", "f16", "bf16") and (had or not self.steps)
                 and (len(self.steps) + 1) * rows.shape[0] * rows.shape[1] * n * 4 <= ROWS_BYTES)
-        if not keep and any(x[2] is not None for x in self.steps):
+        if had and not keep:
             self.steps = [(q, p, None) for q, p, _ in self.steps]        # no longer of use: freed
         self.steps.append((view.queries[:, -1].copy(), int(view.pos_last), rows[:, :, :n].copy() if keep else None))
 
@@ -564,7 +565,7 @@ class Recall:
         I = qt.shape[2]
         tp = true_positions(llm)
         if rows is not None:
-            n = self._decoded(llm, g, qt, rows, tp, n_pages)
+            n = self._decoded(llm, g, qt, rows, tp, n_pages, (S, r, sl, hs))
             if n is not None:
                 return n
         held = tp >= 0
@@ -606,13 +607,13 @@ class Recall:
             return q, logit[..., : self.n_keep], m[..., 0] + np.log(total), 1.0 / total
         return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, cells.shape[1])
 
-    def _decoded(self, llm, g, qt: np.ndarray, rows: list, tp: np.ndarray, n_pages: int) -> int | None:
+    def _decoded(self, llm, g, qt: np.ndarray, rows: list, tp: np.ndarray, n_pages: int, slots) -> int | None:
         """_exact with the decode's own attention: ``rows`` per query token [L, H, n_keep] (softmax over the
         whole cache as the token saw it). A query's log-sum-exp is its logit of the cell it attends most,
         minus the log of that attention. None (nothing done) where a query has no attention on the
-        compacted cells."""
-        S, r, sl, hs = self._slots(g, qt.shape[1])
-        I, L, H, n = len(rows), g.n_layers, qt.shape[1], self.n_keep
+        compacted cells. ``slots``: _slots' (S, r, sl, hs)."""
+        S, r, sl, hs = slots
+        I, L, n = len(rows), g.n_layers, self.n_keep
         G = S // L
         att = np.stack(rows).reshape(I, L, G, r, n).transpose(1, 2, 0, 3, 4).reshape(S, I, r, n)   # [S, I, r, n]
         top = att.argmax(-1)                                                                  # [S, I, r]
