@@ -254,10 +254,12 @@ def _cell_lists(cells, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
     for r in rows:
         if r.ndim != 1 or (r.size and r.dtype.kind not in "iu"):
             raise TypeError("each cell list must be a 1-D array of integer cell indices")
-        _check_int32_range(r)
     lens = np.array([r.size for r in rows], dtype=np.int32)
-    flat = np.concatenate(rows).astype(np.int32) if lens.sum() else np.zeros(1, np.int32)
-    return lens, np.ascontiguousarray(flat)
+    if not lens.sum():
+        return lens, np.zeros(1, np.int32)
+    flat = np.concatenate(rows)
+    _check_int32_range(flat)                # all lists at once (checked before the conversion to int32)
+    return lens, np.ascontiguousarray(flat, np.int32)
 
 
 def read_cells(llm, cells, g: KVGeometry | None = None, buffers: bool = False, keys_only: bool = False):
@@ -487,6 +489,60 @@ def recall_plan(att: np.ndarray, w_cache: np.ndarray, w_read: np.ndarray, ent: n
         _int32("page_size", page_size), _int32("store_page", store_page), _int32("max_groups", max_groups),
         i32(pages), i32(n_p), i32(cells), i32(n_c)))
     return pages[:, :n_pages], n_p, cells[:, :n_read], n_c
+
+
+def recall_rank(q: np.ndarray, lse: np.ndarray, means_t: np.ndarray, counts: np.ndarray, n_out: int) -> np.ndarray:
+    """The recall's digest ranking in C (llama_entrokv_recall_rank) for S slots: q float32 [S, I, r, d] the
+    queries, lse [S, I, r] their log-sum-exp over the cache, means_t float32 [S, d, pages] the stored pages'
+    mean keys, counts [S, pages] their stored tokens. A page's mass is, for the head that gives it most,
+    the sum over the queries of min(1, count x exp(q . mean - lse)). Returns int32 [S, n_out]: per slot
+    the n_out pages of largest mass among those with a token (ties: lower page first), -1 past them."""
+    ffi, lib = _api()
+    if q.ndim != 4 or means_t.ndim != 3:
+        raise ValueError(f"recall_rank: q must be [S, I, r, d] and means_t [S, d, pages], got {q.shape}, {means_t.shape}")
+    S, I, r, d = q.shape
+    qq = np.ascontiguousarray(q, np.float32)
+    ll = np.ascontiguousarray(lse, np.float32)
+    # the means' rows may lie apart (a view of a wider array): passed with their stride
+    m = means_t if means_t.dtype == np.float32 and means_t.strides[-1] == 4 else np.ascontiguousarray(means_t, np.float32)
+    ld = m.strides[1] // 4
+    if m.size and (m.strides[0] != d * ld * 4 or m.strides[1] % 4 or ld < m.shape[2] or m.ctypes.data % 4):
+        m = np.ascontiguousarray(m)
+        ld = m.shape[2]
+    n_pages = m.shape[2]
+    c = np.ascontiguousarray(counts, np.int32)
+    if ll.shape != (S, I, r) or m.shape[:2] != (S, d) or c.shape != (S, n_pages):
+        raise ValueError(f"recall_rank: shapes q {q.shape}, lse {ll.shape}, means_t {m.shape}, counts {c.shape} "
+                         "do not agree")
+    out = np.zeros((S, max(int(n_out), 1)), np.int32)
+    if S == 0:
+        return out[:, :n_out]
+    _check(lib.llama_entrokv_recall_rank(
+        S, I, r, d, ffi.from_buffer("float[]", qq) if qq.size else ffi.NULL,
+        ffi.from_buffer("float[]", ll) if ll.size else ffi.NULL,
+        ffi.cast("float *", m.ctypes.data) if m.size else ffi.NULL, max(ld, n_pages),
+        ffi.from_buffer("int32_t[]", c) if c.size else ffi.NULL, n_pages, _int32("n_out", n_out),
+        ffi.from_buffer("int32_t[]", out)))
+    return out
+
+
+def softmax_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A softmax in place in C (llama_entrokv_softmax_rows) over the rows of x, a float32 [A, B, n] array (a
+    view whose rows may lie apart, each row's n floats contiguous): each row becomes exp(x - max) (0 where
+    x is -inf). Returns (lse, 1 / sum), float32 [A, B] each; EntroKVError for a row with a NaN or with no
+    finite value."""
+    ffi, lib = _api()
+    if x.ndim != 3 or x.dtype != np.float32 or not x.flags.writeable:
+        raise ValueError(f"softmax_rows: x must be a writable float32 [A, B, n] array, got {x.dtype} {x.shape}")
+    A, B, n = x.shape
+    if x.strides[2] != 4 or x.strides[1] % 4 or x.strides[0] % 4 or min(x.strides) < 0 or x.ctypes.data % 4:
+        raise ValueError(f"softmax_rows: each row's floats must be contiguous (strides {x.strides})")
+    lse, inv = np.empty((A, B), np.float32), np.empty((A, B), np.float32)
+    if x.size:
+        _check(lib.llama_entrokv_softmax_rows(ffi.cast("float *", x.ctypes.data), A, x.strides[0] // 4 if A > 1 else 0,
+                                              B, x.strides[1] // 4 if B > 1 else n, n, ffi.from_buffer("float[]", lse),
+                                              ffi.from_buffer("float[]", inv)))
+    return lse, inv
 
 
 def evict_native(llm, *, budget: int, page_size: int | None = None, sinks: int | None = None,

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LLAMA_ENTROKV_API_VERSION 7
+#define LLAMA_ENTROKV_API_VERSION 8
 
 enum llama_entrokv_status {
     LLAMA_ENTROKV_OK                  =   0,
@@ -305,6 +305,31 @@ LLAMA_API int32_t llama_entrokv_recall_plan(
         const int32_t * true_pos, const uint8_t * protect, int32_t n_protect,
         int32_t page_size, int32_t store_page, int32_t max_groups,
         int32_t * out_pages, int32_t * out_n_pages, int32_t * out_cells, int32_t * out_n_cells);
+
+// The digests' ranking of a recall for n_s slots at once: which stored pages it reads. Per slot s:
+//   q     [n_tok, r, d]  : the recall's queries (tokens x the slot's query heads), finite
+//   lse   [n_tok, r]     : their log-sum-exp over the cache, finite
+//   means [d, n_pages]   : the stored pages' digests (the mean of each page's keys), a row every
+//                          means_ld (>= n_pages) floats, slot after slot (d rows each)
+//   counts [n_pages]     : the page's stored tokens (>= 0; 0: the page is not in the store)
+// A page's mass is, for the query head that gives it most, the sum over the tokens of
+// min(1, count x exp(q . mean - lse)) (in floats; the exponential a polynomial good to a few ulp).
+// Out: out[s * n_out ..] the n_out pages of largest mass among those with a token (ties: lower page
+// first), -1 past the last of them. Reads only its inputs; a non-finite q or lse, or a negative
+// count, is refused (LLAMA_ENTROKV_ERR_INVALID_ARG).
+LLAMA_API int32_t llama_entrokv_recall_rank(
+        int32_t n_s, int32_t n_tok, int32_t r, int32_t d,
+        const float * q, const float * lse, const float * means, int64_t means_ld,
+        const int32_t * counts, int32_t n_pages, int32_t n_out, int32_t * out);
+
+// A softmax in place over rows of n floats: row (a, b), for a < n_a and b < n_b, starts at
+// x + a * stride_a + b * ld. Each row becomes exp(x - max) (exactly 0 where x is -inf; the
+// exponential a polynomial good to a few ulp); lse[a * n_b + b] = max + log(sum) and
+// inv_total[a * n_b + b] = 1 / sum (either may be NULL). A row with a NaN or no finite value is
+// refused (LLAMA_ENTROKV_ERR_INVALID_ARG; the rows before it already done).
+LLAMA_API int32_t llama_entrokv_softmax_rows(
+        float * x, int64_t n_a, int64_t stride_a, int64_t n_b, int64_t ld, int32_t n,
+        float * lse, float * inv_total);
 
 // For C programs: Page-EntroKV on sequence seq_id of a never-compacted cache, from the
 // last observed scores (the observed ubatch must end the prompt), then compaction, and on
