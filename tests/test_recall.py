@@ -93,9 +93,9 @@ def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, w
         rep["store_bytes_in_memory"] == rep["store_bytes"]          # in a file, only positions stay in memory
     assert list(tmp_path.iterdir()) == []            # the store's file has no name: nothing is left behind
     assert (np.sort(tp[:, :64], 1) != np.sort(evicted_to, 1)).any(axis=1).sum() > g.n_slots // 2   # pages came back
-    # the resident keys kept between recalls ([S, d, n], transposed) are the compacted cells' keys, as read now
+    # the resident keys kept between recalls ([S, n, d]) are the compacted cells' keys, as read now
     k, _ = read_cells(llm, [np.arange(64, dtype=np.int32)] * g.n_slots, keys_only=True)
-    assert np.array_equal(llm.recall._keys, st.keys(np.stack(k)).transpose(0, 2, 1))
+    assert np.array_equal(llm.recall._keys, st.keys(np.stack(k)))
     assert np.array_equal(llm.recall._keys_pos, tp[:, :64])
     # the entry table kept through the swaps is the one built afresh from the positions
     table = st.table().copy()
@@ -178,7 +178,49 @@ def test_a_recall_on_the_decodes_own_attention_decides_as_the_attention_computed
         with pytest.raises(ValueError, match="observed attention"):
             a.recall.load(a, {**saved, "recall_rows": bad})
     a.recall.load(a, saved)                           # and the one that fits loads
-    assert all(np.array_equal(x[2], r) for x, r in zip(a.recall.steps, saved["recall_rows"]))
+    assert all(np.array_equal(x[2].reshape(r.shape), r) for x, r in zip(a.recall.steps, saved["recall_rows"]))
+
+
+def test_a_recall_with_a_held_draft_takes_the_decoded_tokens_attention_from_the_decode(model, tmp_path, monkeypatch):
+    """A decoding recall whose queries include a held draft (not decoded, so without the decode's attention)
+    takes the decoded tokens' attention from the decode and computes only the draft's. On an F32 cache the
+    plan sees the same attention and log-sum-exps (to rounding), and moves the same tokens into the same
+    cells, as the same session with every query's attention computed."""
+    from entrokv_edge.runtime import recall as R
+    seen = []
+
+    def plan(st, ss, q, att, lse, *rest):
+        scale = rest[-1]
+        seen.append((ss.copy(), att * (1.0 if scale is None else scale[..., None]), lse.copy()))
+        return R_plan(st, ss, q, att, lse, *rest)
+    R_plan = R.plan
+    monkeypatch.setattr(R, "plan", plan)
+    kw = {**SETTINGS, "type_k": 0, "type_v": 0}
+    rc = {**RECALL, "every": 4096, "turn_draft": 6}         # no recall until the test asks for one
+    a = ek.EntroKVLlama(model, n_ctx=256, recall=rc, **kw)
+    a.eval(prompt(200, 4))
+    decode(a, 5)
+    a.eval(prompt(10, 5))                                   # a turn: its draft is held
+    decode(a, 3)
+    assert a.recall.held is not None and (a.recall.held[1] > a.recall.steps[-1][1]).sum() == 3
+    assert len(a.recall.steps) == 3 and all(x[2] is not None for x in a.recall.steps)
+    a.save_session(tmp_path / "s.entrokv")
+    b = ek.EntroKVLlama(model, n_ctx=256, recall=rc, **kw)
+    b.load_session(tmp_path / "s.entrokv")
+    b.recall.steps = [(q, p, None) for q, p, _ in b.recall.steps]
+    before = (a.recall.n_from_decode, b.recall.n_from_decode)
+    seen.clear()                                            # (the turns' recalls)
+    na = a.recall.step(a)
+    got, seen[:] = list(seen), []
+    nb = b.recall.step(b)
+    assert len(got) == len(seen) > 0
+    for (s1, att1, lse1), (s2, att2, lse2) in zip(got, seen):
+        assert np.array_equal(s1, s2) and att1.shape[1] == 6     # 3 decoded tokens, then the draft's 3 ahead
+        assert np.allclose(att1, att2, rtol=1e-4, atol=1e-6) and np.allclose(lse1, lse2, atol=1e-4)
+    assert na == nb > 0
+    assert (a.recall.n_from_decode - before[0], b.recall.n_from_decode - before[1]) == (1, 0)
+    assert np.array_equal(ek.true_positions(a), ek.true_positions(b))
+    assert np.array_equal(a.recall.store.pos, b.recall.store.pos)
 
 
 def test_the_decoded_steps_attention_is_kept_within_its_bound(model, monkeypatch):
@@ -196,6 +238,10 @@ def test_the_decoded_steps_attention_is_kept_within_its_bound(model, monkeypatch
     decode(a, 1)
     assert len(a.recall.steps) == 4 and all(x[2] is None for x in a.recall.steps)
     assert a.recall.step(a) > 0 and a.recall.n_from_decode == 0
+    # the steps' attention is kept in one buffer, which never takes more than ROWS_BYTES, whatever `every` is
+    a.recall._att = None
+    decode(a, 1)
+    assert a.recall.steps[0][2] is not None and a.recall._att.nbytes <= R.ROWS_BYTES
 
 
 def test_recall_settings_are_checked(model):
@@ -246,18 +292,18 @@ def test_a_held_draft_joins_the_decoding_recalls_until_the_answer_passes_it(mode
     assert hq.shape[1] == 6 and np.array_equal(hpos, np.arange(n, n + 6))
     seen = []
     exact = R.Recall._exact
-    R.Recall._exact = lambda self, l, q, qpos, N, rows=None: (seen.append((q.copy(), qpos.copy(), rows)),
-                                                              exact(self, l, q, qpos, N, rows))[1]
+    R.Recall._exact = lambda self, l, q, qpos, N, att=None: (seen.append((q.copy(), qpos.copy(), att)),
+                                                             exact(self, l, q, qpos, N, att))[1]
     try:
         decode(llm, 2)                                        # every=2: one recall, after positions n, n + 1
         llm.save_session(tmp_path / "s.entrokv")
         decode(llm, 6)
     finally:
         R.Recall._exact = exact
-    q, qpos, rows = seen[0]
+    q, qpos, att = seen[0]
     assert qpos.tolist() == [n, n + 1, n + 2, n + 3, n + 4, n + 5]        # decoded, then the draft ahead
-    assert rows is None                 # the draft's queries were not decoded: the attention is computed for all
-    assert seen[3][2] is not None and len(seen[3][2]) == 2          # the decode's own, once the draft is passed
+    # the decoded tokens' attention as the decode computed it; the draft's (not decoded) is computed
+    assert att is not None and att.shape[1] == 2 and all(x[2] is not None and x[2].shape[1] == 2 for x in seen)
     assert np.array_equal(q[:, 2:], hq[:, 2:])
     assert seen[1][1].tolist() == [n + 2, n + 3, n + 4, n + 5]
     assert seen[2][1].tolist() == [n + 4, n + 5] and llm.recall.held is None     # passed: dropped
@@ -525,18 +571,88 @@ def test_the_native_swap_decision_refuses_bad_input():
             recall_plan(att, **{**ok, **bad})
 
 
-def test_the_partial_sort_is_the_stable_sorts_head():
-    """_smallest(x, k) against np.argsort(x, kind="stable")[:, :k]: ties (at the k-th value too), infinities, and k
-    from 1 to past the row's length."""
-    from entrokv_edge.runtime.recall import _smallest
-    rng = np.random.default_rng(5)
-    for _ in range(200):
-        S, n = int(rng.integers(1, 9)), int(rng.integers(1, 300))
-        x = rng.integers(0, int(rng.integers(1, 40)), (S, n)).astype(float)     # few distinct values: many ties
-        x[rng.random((S, n)) < 0.2] = np.inf
-        x[rng.random((S, n)) < 0.1] = -np.inf
-        k = int(rng.integers(1, n + 3))
-        assert np.array_equal(_smallest(x, k), np.argsort(x, axis=1, kind="stable")[:, :k])
+def reference_rank(q, lse, means_t, counts, N):
+    """llama_entrokv_recall_rank for one slot, written plainly (float64): the N pages of largest mass among
+    those with a token, ties to the lower page, -1 past them."""
+    live = [p for p in range(counts.size) if counts[p] > 0]
+    mass = {p: max(sum(min(1.0, counts[p] * np.exp(float(q[i, h] @ means_t[:, p]) - lse[i, h]))
+                       for i in range(q.shape[0])) for h in range(q.shape[1])) for p in live}
+    top = sorted(live, key=lambda p: (-mass[p], p))[:N]
+    return top + [-1] * (N - len(top))
+
+
+def test_the_native_digest_ranking_matches_a_plain_one():
+    """llama_entrokv_recall_rank against reference_rank: recalls of 1 to 9 tokens (blocks of 4 queries and a
+    part block), pages that are not whole blocks of 16, empty pages, fewer pages than asked for, the means
+    as a view whose rows lie apart; ties (equal pages, and masses capped at 1 per query) go to the lower page."""
+    from entrokv_edge.bindings import recall_rank
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        S, I, r, d = int(rng.integers(1, 5)), int(rng.integers(1, 10)), int(rng.integers(1, 5)), int(rng.integers(1, 20))
+        n, N = int(rng.integers(1, 70)), int(rng.integers(1, 12))
+        wide = rng.normal(size=(S, d, n + 5)).astype(np.float32)
+        means_t = wide[:, :, 2: n + 2]                                # rows n + 5 floats apart
+        counts = rng.integers(0, 17, (S, n))
+        counts[:, rng.random(n) < 0.3] = 0
+        if trial % 3 == 0 and n > 3:                                   # a repeated page: a tie, to the lower one
+            means_t[:, :, 3], counts[:, 3] = means_t[:, :, 1], counts[:, 1]
+        q = rng.normal(size=(S, I, r, d)).astype(np.float32)
+        lse = (rng.normal(size=(S, I, r)) + (3.0 if trial % 5 else -30.0)).astype(np.float32)   # -30: masses capped
+        got = recall_rank(q, lse, means_t, counts, N)
+        assert got.shape == (S, N) and got.dtype == np.int32
+        for s in range(S):
+            assert got[s].tolist() == reference_rank(q[s].astype(np.float64), lse[s].astype(np.float64),
+                                                     means_t[s].astype(np.float64), counts[s], N), (trial, s)
+
+
+def test_the_native_digest_ranking_refuses_bad_input():
+    from entrokv_edge.bindings import EntroKVError, recall_rank
+    q, lse = np.zeros((2, 3, 2, 4), np.float32), np.zeros((2, 3, 2), np.float32)
+    means, counts = np.zeros((2, 4, 5), np.float32), np.ones((2, 5), np.int32)
+    assert recall_rank(q, lse, means, counts, 2).shape == (2, 2)
+    for bad, err in ((dict(lse=np.full((2, 3, 2), np.nan, np.float32)), EntroKVError),
+                     (dict(q=np.full((2, 3, 2, 4), np.inf, np.float32)), EntroKVError),
+                     (dict(counts=-np.ones((2, 5), np.int32)), EntroKVError),
+                     (dict(n_out=0), EntroKVError),
+                     (dict(lse=np.zeros((2, 3, 1), np.float32)), ValueError),
+                     (dict(means_t=np.zeros((2, 3, 5), np.float32)), ValueError),
+                     (dict(counts=np.ones((2, 4), np.int32)), ValueError),
+                     (dict(q=np.zeros((2, 3, 4), np.float32)), ValueError)):
+        args = {**dict(q=q, lse=lse, means_t=means, counts=counts, n_out=2), **bad}
+        with pytest.raises(err):
+            recall_rank(**args)
+
+
+def test_the_native_softmax_matches_numpys_in_place():
+    """llama_entrokv_softmax_rows against numpy: rows of a view whose rows lie apart (only they change), masked
+    (-inf) entries exactly 0, rows shorter and longer than a vector, large and tiny logits; a row with a NaN
+    or with nothing finite is refused."""
+    from entrokv_edge.bindings import EntroKVError, softmax_rows
+    rng = np.random.default_rng(4)
+    for n in (1, 5, 8, 13, 300):
+        wide = (rng.normal(size=(3, 4, 2, n + 7)) * 20).astype(np.float32)
+        wide[..., :n][rng.random((3, 4, 2, n)) < 0.3] = -np.inf
+        wide[..., 0] = rng.normal(size=(3, 4, 2)).astype(np.float32)          # every row keeps a finite value
+        x = wide.reshape(3, 8, n + 7)[:, 2:, 3: n + 3]                         # [3, 6, n], rows n + 7 apart
+        before = wide.copy()
+        want = x.astype(np.float64)
+        masked = np.isinf(want)
+        m = want.max(-1, keepdims=True)
+        e = np.exp(want - m)
+        lse, inv = softmax_rows(x)
+        assert np.allclose(x, e, rtol=1e-5, atol=1e-37) and (x[masked] == 0).all()   # (below e^-87: 0)
+        assert np.allclose(lse, (m[..., 0] + np.log(e.sum(-1))), rtol=1e-6, atol=1e-5)
+        assert np.allclose(inv, 1 / e.sum(-1), rtol=1e-5)
+        outside = np.ones(wide.shape, bool)
+        outside.reshape(3, 8, n + 7)[:, 2:, 3: n + 3] = False
+        assert np.array_equal(wide[outside], before[outside])                # nothing else written
+    for bad in (np.array([[[0.0, np.nan, 1.0]]], np.float32), np.full((1, 2, 9), -np.inf, np.float32)):
+        with pytest.raises(EntroKVError):
+            softmax_rows(bad)
+    with pytest.raises(ValueError):
+        softmax_rows(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError):
+        softmax_rows(np.zeros((1, 2, 3), np.float64))
 
 
 def test_a_file_store_reads_and_writes_the_rows_a_memory_store_does(tmp_path):

@@ -8,9 +8,9 @@ per slot:
 
 - while the runtime generates, each decoded token's queries and its attention over the cache are
   observed (the attention as the decode computed it: a copy, not a second pass over the cache); every
-  ``every`` tokens that attention (or, where the decode made none or a held draft joins the queries,
-  the queries against every held key) scores the cache exactly, the digests rank the stored pages by the
-  attention mass their mean key would get (relative to the cache's log-sum-exp), and the top
+  ``every`` tokens that attention (where the decode made none, the queries against every held key; a held
+  draft's queries, not decoded, the same way) scores the cache exactly, the digests rank the stored pages
+  by the attention mass their mean key would get (relative to the cache's log-sum-exp; in C), and the top
   ``pages`` pages are read and scored exactly;
 - at a new turn, the same with the turn's observed queries and ``turn_pages`` pages; those queries were
   computed on the cache before the recall, so the turn's window is then evaluated again on the recalled
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..bindings import geometry, read_cells, recall_plan, rows_to_float, true_positions, write_cells
+from ..bindings import (geometry, read_cells, recall_plan, recall_rank, rows_to_float, softmax_rows, true_positions,
+                        write_cells)
 from ..bindings.observe import WindowScores
 
 
@@ -338,10 +339,17 @@ def _segment_sums(x: np.ndarray, order: np.ndarray, starts: np.ndarray, n: np.nd
     short = n <= SHORT
     if short.any():
         s, k = starts[short], n[short]
-        acc = x[order[s]].astype(np.float32)
-        for j in range(1, int(k.max())):
-            at = np.flatnonzero(k > j)
-            acc[at] += x[order[s[at] + j]]
+        K = int(k.max())
+        if (k == K).all():          # the usual case, whole pages: their rows gathered at once, added in order
+            rows = x[order[s[:, None] + np.arange(K)]]                         # [segments, K, d]
+            acc = rows[:, 0].astype(np.float32)
+            for j in range(1, K):
+                acc += rows[:, j]
+        else:
+            acc = x[order[s]].astype(np.float32)
+            for j in range(1, K):
+                at = np.flatnonzero(k > j)
+                acc[at] += x[order[s[at] + j]]
         out[short] = acc
     if not short.all():
         s, k = starts[~short], n[~short]
@@ -393,7 +401,10 @@ class Recall:
         self.page = config.page_size
         self.store: Store | None = None
         self.steps: list[tuple] = []          # per observed token: (queries [L, H, d], its true position, its
-                                              # attention over the compacted cells [L, H, n_keep] or None)
+                                              # attention over the compacted cells [S, r, n_keep] or None: a view
+                                              # of _att, whose column i is step i's)
+        self._att = None                      # float32 [S, capacity, r, n_keep]: the steps' attention, already in
+                                              # the layout the recall reads (no stacking at a recall)
         self.n_keep = 0                       # compacted cells after the last eviction (set by the runtime)
         self.n_at_eviction = 0                # logical length at the last eviction
         self.recalled = 0                     # tokens brought back, all slots together
@@ -401,7 +412,7 @@ class Recall:
         self.drafted = 0                      # tokens drafted at turns to drive a recall (turn_draft), then removed
         self.held: tuple | None = None        # hold_draft: the last turn's draft queries [L, k, H, d], positions [k]
         self.n_from_decode = 0                # decoding recalls on the decode's own attention (not computed again)
-        self._keys = None                     # float32 [S, d, n_keep]: the compacted cells' keys (transposed), kept
+        self._keys = None                     # float32 [S, n_keep, d]: the compacted cells' keys, kept
         self._keys_pos = None                 # between recalls, and the true positions they were read for [S, n_keep]
 
     @property
@@ -427,6 +438,7 @@ class Recall:
         self.steps.clear()
         self.held = None
         self._keys = self._keys_pos = None    # compaction moves the cells
+        self._att = None                      # and changes n_keep
         set_aside(llm, self.store, tp_now, cells, g)
 
     def reset(self) -> None:
@@ -435,6 +447,7 @@ class Recall:
         self.store, self.steps, self.n_keep, self.n_at_eviction = None, [], 0, 0
         self.held = None
         self._keys = self._keys_pos = None
+        self._att = None
 
     # --- sessions -------------------------------------------------------------------
 
@@ -451,7 +464,8 @@ class Recall:
                "recall_info": np.array([self.n_keep, self.n_at_eviction], np.int64),
                "recall_q": q, "recall_qpos": np.array([x[1] for x in self.steps], np.int64)}
         if self.steps and all(x[2] is not None for x in self.steps):      # their attention as the decode computed it
-            out["recall_rows"] = np.stack([x[2] for x in self.steps])
+            L, H = q.shape[1], q.shape[2]
+            out["recall_rows"] = np.stack([x[2].reshape(L, H, -1) for x in self.steps])     # [steps, L, H, n_keep]
         if self.held is not None:
             out["recall_hq"], out["recall_hpos"] = self.held[0].copy(), self.held[1].astype(np.int64)
         return out
@@ -489,7 +503,9 @@ class Recall:
         store.add(pos.astype(np.int32), np.ascontiguousarray(k, np.uint8), np.ascontiguousarray(v, np.uint8))
         self.store = store
         self.n_keep, self.n_at_eviction = int(info[0]), int(info[1])
-        self.steps = [(q[i], int(qpos[i]), None if rows is None else rows[i]) for i in range(n_steps)]
+        self.steps = [(q[i], int(qpos[i]), None) for i in range(n_steps)]
+        if rows is not None and n_steps:
+            self._keep_rows(n_steps, rows.transpose(1, 2, 0, 3), g.n_slots)     # [L, H, steps, n_keep]
         if held is not None and self.config.hold_draft:
             self.held = held
 
@@ -509,8 +525,28 @@ class Recall:
                 and self.store.type_k in ("f32", "f16", "bf16") and (had or not self.steps)
                 and (len(self.steps) + 1) * rows.shape[0] * rows.shape[1] * n * 4 <= ROWS_BYTES)
         if had and not keep:
-            self.steps = [(q, p, None) for q, p, _ in self.steps]        # no longer of use: freed
-        self.steps.append((view.queries[:, -1].copy(), int(view.pos_last), rows[:, :, :n].copy() if keep else None))
+            self.steps = [(q, p, None) for q, p, _ in self.steps]        # no longer of use
+            self._att = None
+        self.steps.append((view.queries[:, -1].copy(), int(view.pos_last), None))
+        if keep:
+            self._keep_rows(1, rows[:, :, None, :n], self.store.pos.shape[0])
+
+    def _keep_rows(self, m: int, rows: np.ndarray, S: int) -> None:
+        """The attention rows [L, H, m, n_keep] of the last m steps, written into _att (grown as needed) and
+        given to those steps as views."""
+        L, H, _, n = rows.shape
+        r = H // (S // L)
+        i = len(self.steps) - m
+        att = self._att
+        if att is None or att.shape[0] != S or att.shape[2:] != (r, n) or att.shape[1] < i + m:
+            fit = max(1, ROWS_BYTES // (S * r * n * 4))          # steps whose attention is kept at most
+            cap = max(i + m, min(max(self.config.every, 2 * (0 if att is None else att.shape[1])), fit))
+            new = np.empty((S, cap, r, n), np.float32)
+            if i:                   # the earlier steps' rows (each of them has its attention) move over
+                new[:, :i] = att[:, :i]
+            att = self._att = new
+        att[:, i: i + m] = rows.reshape(S, r, m, n).transpose(0, 2, 1, 3)
+        self.steps[i:] = [(q, p, att[:, j]) for j, (q, p, _) in enumerate(self.steps[i:], i)]
 
     def due(self) -> bool:
         return self.store is not None and self.store.n_tokens > 0 and len(self.steps) >= self.config.every
@@ -523,16 +559,17 @@ class Recall:
             return 0
         q, qpos = np.stack([x[0] for x in steps], 1), np.array([x[1] for x in steps])
         # the decode's own attention of every step, where each has it (else it is computed below, exactly)
-        rows = [x[2] for x in steps] if all(x[2] is not None for x in steps) else None
+        att = None
+        if self._att is not None and all(x[2] is not None and x[2].base is self._att for x in steps):
+            att = self._att[:, : len(steps)]
         if self.held is not None:          # hold_draft: the draft's queries for the answer tokens not decoded yet
             hq, hpos = self.held
             ahead = hpos > qpos.max()
-            if ahead.any():
+            if ahead.any():                # their attention is computed; the decoded steps keep theirs
                 q, qpos = np.concatenate([q, hq[:, ahead]], 1), np.concatenate([qpos, hpos[ahead]])
-                rows = None
             else:
                 self.held = None
-        return self._exact(llm, q, qpos, self.config.pages, rows)
+        return self._exact(llm, q, qpos, self.config.pages, att)
 
     def hold(self, queries: np.ndarray, pos_last: int) -> None:
         """hold_draft: keep a turn's draft queries (float32 [L, k, H, d], the last at ``pos_last``) for the
@@ -552,22 +589,28 @@ class Recall:
         I = queries.shape[1]
         return self._exact(llm, queries, pos_last - I + 1 + np.arange(I), self.config.turn_pages)
 
-    def _exact(self, llm, queries: np.ndarray, qpos: np.ndarray, n_pages: int, rows: list | None = None) -> int:
+    def _exact(self, llm, queries: np.ndarray, qpos: np.ndarray, n_pages: int, att_dec: np.ndarray | None = None) -> int:
         """A recall for queries float32 [L, I, H, d] at true positions qpos [I]: their attention over
-        the cache, as the decode computed it (``rows``: per query token float32 [L, H, n_keep], its
-        attention over the compacted cells) or computed here exactly from every held key (causal by
-        true position), then ``n_pages`` pages are offered per buffer."""
+        the cache, as the decode computed it for the first D queries (``att_dec`` float32 [S, D, r, n_keep],
+        their attention over the compacted cells) and computed here exactly from every held key for the
+        others (causal by true position), then ``n_pages`` pages are offered per buffer."""
         g = self._ready(llm)
         if g is None:
             return 0
         S, r, sl, hs = self._slots(g, queries.shape[2])
         qt = np.asarray(queries).transpose(0, 2, 1, 3)                     # [L, H, I, d]
-        I = qt.shape[2]
+        I, n = qt.shape[2], self.n_keep
         tp = true_positions(llm)
-        if rows is not None:
-            n = self._decoded(llm, g, qt, rows, tp, n_pages, (S, r, sl, hs))
-            if n is not None:
-                return n
+        D, lse_dec = 0, None
+        if att_dec is not None:
+            q_dec = np.ascontiguousarray(qt[sl, hs, : att_dec.shape[1]].transpose(0, 2, 1, 3), np.float32)  # [S, D, r, d]
+            lse_dec = self._decoded_lse(llm, g, q_dec, att_dec, tp)
+            if lse_dec is not None:
+                D = att_dec.shape[1]
+                self.n_from_decode += 1
+        if D == I:
+            return self._swap(llm, g, tp[:, :n], lambda ss: (q_dec[ss[0]: ss[-1] + 1], att_dec[ss[0]: ss[-1] + 1],
+                                                             lse_dec[ss[0]: ss[-1] + 1], None), I * r, n_pages, n)
         held = tp >= 0
         col = np.flatnonzero(held.any(0))
         if held[:, col].all():          # the usual case: every slot holds the same cells (a token fills one cell in all)
@@ -577,64 +620,58 @@ class Recall:
             held_pos = np.take_along_axis(tp, cells, 1)                              # compacted cells first
         resident = self._resident_keys(llm, g, tp)
         later = None                    # the keys of the cells written since the eviction: read now
-        if cells.shape[1] > self.n_keep:
-            k, _ = read_cells(llm, list(cells[:, self.n_keep:]), g, buffers=True, keys_only=True)
-            later = self.store.keys(k.reshape(S, cells.shape[1] - self.n_keep, -1))
+        if cells.shape[1] > n:
+            k, _ = read_cells(llm, list(cells[:, n:]), g, buffers=True, keys_only=True)
+            later = self.store.keys(k.reshape(S, cells.shape[1] - n, -1))
 
         # causality by true position: only the cells some query must not see need a mask (the compacted cells
         # precede every query; the cells written since hold the queries' own tokens)
-        late = np.flatnonzero((held_pos > qpos.min()).any(0))
-        late_seen = held_pos[:, late][:, None, :] <= qpos[None, :, None]            # [S, I, late]
+        qc = qpos[D:]                   # the queries whose attention is computed
+        late = np.flatnonzero((held_pos > qc.min()).any(0))
+        late_seen = held_pos[:, late][:, None, :] <= qc[None, :, None]             # [S, I - D, late]
 
         n_all = cells.shape[1]
 
         def inputs(ss):                 # _swap plans slots in contiguous runs a..b-1
             a, b = int(ss[0]), int(ss[-1]) + 1
             q = np.ascontiguousarray(qt[sl[ss], hs[ss]].transpose(0, 2, 1, 3), np.float32)   # [s, I, r, d]
-            q2 = q.reshape(b - a, I * r, -1)
-            logit = np.empty((b - a, I * r, n_all), np.float32)
-            np.matmul(q2, resident[a:b], out=logit[..., : self.n_keep])
+            logit = np.empty((b - a, I, r, n_all), np.float32)                  # the first D: the decode's attention
+            lc = logit.reshape(b - a, I * r, n_all)[:, D * r:]                   # a view: the computed queries' logits
+            q2 = q[:, D:].reshape(b - a, (I - D) * r, -1)
+            np.matmul(q2, resident[a:b].transpose(0, 2, 1), out=lc[..., :n])
             if later is not None:
-                np.matmul(q2, later[a:b].transpose(0, 2, 1), out=logit[..., self.n_keep:])
-            logit = logit.reshape(b - a, I, r, n_all)
+                np.matmul(q2, later[a:b].transpose(0, 2, 1), out=lc[..., n:])
+            lc = logit[:, D:]
             if late.size:
-                logit[..., late] = np.where(late_seen[a:b, :, None, :], logit[..., late], -np.inf)
-            # the softmax in place: the compacted cells (0..n_keep-1) precede every query, so each row has a finite max
-            m = logit.max(-1, keepdims=True)
-            np.exp(np.subtract(logit, m, out=logit), out=logit)
-            total = logit.sum(-1)                                                # [s, I, r]
-            # the attention over the compacted cells: these values times 1 / total (the plan multiplies them)
-            return q, logit[..., : self.n_keep], m[..., 0] + np.log(total), 1.0 / total
-        return self._swap(llm, g, tp[:, : self.n_keep], inputs, I * r, n_pages, cells.shape[1])
+                lc[..., late] = np.where(late_seen[a:b, :, None, :], lc[..., late], -np.inf)
+            # the softmax in place (in C): the compacted cells (0..n_keep-1) precede every query, so each row has a
+            # finite max
+            lse, inv = (x.reshape(b - a, I - D, r) for x in softmax_rows(logit.reshape(b - a, I * r, n_all)[:, D * r:]))
+            if not D:       # the attention over the compacted cells: these values times 1 / total (the plan multiplies)
+                return q, logit[..., :n], lse, inv
+            logit[:, :D, :, :n] = att_dec[a:b]
+            scale = np.ones((b - a, I, r), np.float32)                           # the decode's attention as it is
+            scale[:, D:] = inv
+            return q, logit[..., :n], np.concatenate([lse_dec[a:b], lse], 1), scale
+        return self._swap(llm, g, tp[:, :n], inputs, I * r, n_pages, n_all)
 
-    def _decoded(self, llm, g, qt: np.ndarray, rows: list, tp: np.ndarray, n_pages: int, slots) -> int | None:
-        """_exact with the decode's own attention: ``rows`` per query token [L, H, n_keep] (softmax over the
-        whole cache as the token saw it). A query's log-sum-exp is its logit of the cell it attends most,
-        minus the log of that attention. None (nothing done) where a query has no attention on the
-        compacted cells. ``slots``: _slots' (S, r, sl, hs)."""
-        S, r, sl, hs = slots
-        I, L, n = len(rows), g.n_layers, self.n_keep
-        G = S // L
-        att = np.stack(rows).reshape(I, L, G, r, n).transpose(1, 2, 0, 3, 4).reshape(S, I, r, n)   # [S, I, r, n]
-        top = att.argmax(-1)                                                                  # [S, I, r]
+    def _decoded_lse(self, llm, g, q: np.ndarray, att: np.ndarray, tp: np.ndarray) -> np.ndarray | None:
+        """float32 [S, D, r]: the log-sum-exp over the cache of the queries q [S, D, r, d], from their attention
+        as the decode computed it (att [S, D, r, n_keep], the softmax over the whole cache restricted to the
+        compacted cells): a query's logit of the cell it attends most, minus the log of that attention. None
+        where a query has no attention on the compacted cells."""
+        S = q.shape[0]
+        top = att.argmax(-1)                                                                  # [S, D, r]
         p_top = np.take_along_axis(att, top[..., None], -1)[..., 0]
-        resident = self._resident_keys(llm, g, tp)                                            # [S, d, n_keep]
-        q = np.ascontiguousarray(qt[sl, hs].transpose(0, 2, 1, 3), np.float32)                # [S, I, r, d]
-        k_top = resident[np.arange(S)[:, None, None], :, top]                                    # [S, I, r, d]
+        resident = self._resident_keys(llm, g, tp)                                            # [S, n_keep, d]
+        k_top = resident[np.arange(S)[:, None, None], top]                                       # [S, D, r, d]
         logit = np.einsum("sird,sird->sir", q, k_top)
         with np.errstate(divide="ignore"):
             lse = (logit - np.log(p_top)).astype(np.float32)
-        if not np.isfinite(lse).all():            # a query with no attention left on the compacted cells
-            return None
-
-        def inputs(ss):
-            a, b = int(ss[0]), int(ss[-1]) + 1
-            return q[a:b], att[a:b], lse[a:b], None
-        self.n_from_decode += 1
-        return self._swap(llm, g, tp[:, : n], inputs, I * r, n_pages, n)
+        return lse if np.isfinite(lse).all() else None
 
     def _resident_keys(self, llm, g, tp: np.ndarray) -> np.ndarray:
-        """float32 [S, d, n_keep] (transposed, for the matrix products): the keys of the compacted cells,
+        """float32 [S, n_keep, d]: the keys of the compacted cells,
         read once after an eviction and kept up to date by the swaps (read again if their true positions
         are not the ones kept)."""
         now = tp[:, : self.n_keep]
@@ -642,10 +679,8 @@ class Recall:
             k, _ = read_cells(llm, [np.arange(self.n_keep, dtype=np.int32)] * g.n_slots, g, buffers=True,
                               keys_only=True)
             k = k.reshape(g.n_slots, self.n_keep, -1)
-            if self.store.type_k == "f16":          # converted and transposed in one pass (F16 converts exactly)
-                self._keys = k.view(np.float16).transpose(0, 2, 1).astype(np.float32, order="C")
-            else:
-                self._keys = np.ascontiguousarray(self.store.keys(k).transpose(0, 2, 1))
+            # F16 (the usual cache) converts exactly in numpy's own cast, faster here than a table for this many keys
+            self._keys = k.view(np.float16).astype(np.float32) if self.store.type_k == "f16" else self.store.keys(k)
             self._keys_pos = now.copy()
         return self._keys
 
@@ -677,10 +712,10 @@ class Recall:
         P = self.eviction.page_size
         protect = np.zeros(max(int(tp.max()) + 1, self.n_at_eviction) // P + 2, bool)
         protect[[p for p in self.eviction.protected(self.n_at_eviction)]] = True     # sinks and recent pages
-        # a slot's temporaries: its queries' attention over the held cells (and a scaled copy), the digests'
-        # estimate (float32, float64), the read pages' keys and logits, the tables of its eviction pages
-        per_slot = (4 * n_queries * (2 * held + 3 * st.counts.shape[1] + 3 * n_pages * self.page)
-                    + 4 * n_pages * self.page * st.head_dim + 24 * protect.size * P)
+        # a slot's temporaries: its queries' attention over the held cells (and a dense copy where the plan needs
+        # one), the read pages' keys and their weights (the digests' ranking and the decision, in C, keep theirs
+        # per call)
+        per_slot = 4 * n_queries * (2 * held + 2 * n_pages * self.page) + 4 * n_pages * self.page * st.head_dim
         chunk = max(1, CHUNK_BYTES // max(per_slot, 1))
         runs = [np.arange(a, min(a + chunk, g.n_slots)) for a in range(0, g.n_slots, chunk)]
         cells, si, e, kf_old = [], [], [], []
@@ -699,7 +734,7 @@ class Recall:
         cs, cc = np.repeat(np.arange(len(cells)), [c.size for c in cells]), np.concatenate(cells)
         out_k, out_v = out_k.reshape(si.size, -1), out_v.reshape(si.size, -1)
         kf_out = st.keys(out_k)                          # the displaced keys as floats [n, d] (as _keys holds them)
-        self._keys[cs, :, cc], self._keys_pos[cs, cc] = kf_old, pos_in     # the resident keys follow the swap
+        self._keys[cs, cc], self._keys_pos[cs, cc] = kf_old, pos_in     # the resident keys follow the swap
         st.replace(si, e, tp[cs, cc], out_k, out_v, kf_old, kf_out)
         self.recalled += int(si.size)
         return int(si.size)
@@ -710,21 +745,6 @@ def _dot(q: np.ndarray, k: np.ndarray, dtype=np.float64) -> np.ndarray:
     S, I, r, d = q.shape
     q = q.reshape(S, I * r, d).astype(dtype, copy=False)
     return np.matmul(q, k.astype(dtype, copy=False).transpose(0, 2, 1)).reshape(S, I, r, -1)
-
-
-def _smallest(x: np.ndarray, k: int) -> np.ndarray:
-    """np.argsort(x, axis=1, kind="stable")[:, :k] for x [S, n] without NaN, sorting only the candidates:
-    the values up to each row's k-th smallest (ties at it included, in index order)."""
-    S, n = x.shape
-    if k >= n // 4:
-        return np.argsort(x, axis=1, kind="stable")[:, :k]
-    kth = np.partition(x, k - 1, axis=1)[:, k - 1: k]
-    at = np.flatnonzero(x <= kth)                        # row-major: index order within each row
-    row, col = at // n, at % n
-    order = np.lexsort((col, x.ravel()[at], row))
-    row, col = row[order], col[order]
-    first = np.searchsorted(row, np.arange(S))
-    return col[first[:, None] + np.arange(k)[None, :]].reshape(S, k)
 
 
 CHUNK_BYTES = 16 << 20      # a recall's temporaries per group of slots planned together
@@ -747,21 +767,12 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     S = q.shape[0]
     sl = np.arange(S)
     rows = slice(int(ss[0]), int(ss[0]) + S) if np.array_equal(ss, ss[0] + sl) else ss     # a run: views, no copies
-    counts = st.counts[rows]
-    live = counts > 0
-    est = np.matmul(q.reshape(S, -1, q.shape[-1]), st.means_t[rows]).reshape(q.shape[:3] + (-1,))   # the digests'
-    # logit estimate (it only ranks: float32 will do)
-    est -= lse_res[..., None]
-    with np.errstate(over="ignore", invalid="ignore"):    # an overflow makes a mass of 1; 0 x inf (a page with no
-        np.exp(est, out=est)                              # stored token) a NaN that `live` drops below
-        mass = np.multiply(counts.astype(np.float64)[:, None, None, :], est)         # float64
-    mass = np.minimum(mass, 1.0, out=mass).sum(1).max(1)
-    mass = np.where(live, mass, -np.inf)
-    short = _smallest(-mass, N)                                                     # [S, N]
-    ok_short = np.take_along_axis(live, short, 1)
+    # the digests' ranking, in C: the N pages of largest mass per slot (-1: fewer pages stored)
+    short = recall_rank(q, lse_res, st.means_t[rows], st.counts[rows], N)           # [S, N]
+    ok_short = short >= 0
     # the store entries of those pages: [S, N, page] (-1: none)
     page = st.page
-    ent = st.table()[ss[:, None], short].astype(np.int64)
+    ent = st.table()[ss[:, None], np.maximum(short, 0)].astype(np.int64)
     ent[~ok_short] = -1
     ent = ent.reshape(S, -1)
     kf = st.keys(st.k.gather(np.broadcast_to(ss[:, None], ent.shape), np.maximum(ent, 0)))   # [S, N*page, d]
