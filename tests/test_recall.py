@@ -223,6 +223,22 @@ def test_a_recall_with_a_held_draft_takes_the_decoded_tokens_attention_from_the_
     assert np.array_equal(a.recall.store.pos, b.recall.store.pos)
 
 
+def test_steps_loaded_past_every_keep_their_attention_as_the_buffer_grows(model, tmp_path):
+    """A session saved with more decoded steps than the loading instance's ``every``: the next step grows the
+    steps' attention buffer, every step keeps its attention, and the recall uses the decode's."""
+    kw = {**SETTINGS, "type_k": 0, "type_v": 0}
+    a = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "every": 4096, "hold_draft": False}, **kw)
+    a.eval(prompt(500, 4))
+    decode(a, 6)
+    a.save_session(tmp_path / "s.entrokv")
+    b = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "every": 4, "hold_draft": False}, **kw)
+    b.load_session(tmp_path / "s.entrokv")
+    assert len(b.recall.steps) == 6 and b.recall._att.shape[1] == 6
+    n0 = b.recall.n_from_decode
+    decode(b, 1)                                  # a 7th step (the buffer grows), then the recall it makes due
+    assert b.recall.n_recalls >= 1 and b.recall.n_from_decode == n0 + 1
+
+
 def test_the_decoded_steps_attention_is_kept_within_its_bound(model, monkeypatch):
     """The decoded steps keep their attention only while every step since the last recall has it and their
     bytes stay within ROWS_BYTES; past it the earlier steps' are dropped too and the recall computes it."""
@@ -613,6 +629,7 @@ def test_the_native_digest_ranking_refuses_bad_input():
     for bad, err in ((dict(lse=np.full((2, 3, 2), np.nan, np.float32)), EntroKVError),
                      (dict(q=np.full((2, 3, 2, 4), np.inf, np.float32)), EntroKVError),
                      (dict(counts=-np.ones((2, 5), np.int32)), EntroKVError),
+                     (dict(counts=np.full((2, 5), 2**31 - 1, np.int32)), EntroKVError),
                      (dict(n_out=0), EntroKVError),
                      (dict(lse=np.zeros((2, 3, 1), np.float32)), ValueError),
                      (dict(means_t=np.zeros((2, 3, 5), np.float32)), ValueError),
@@ -632,7 +649,7 @@ def test_the_native_softmax_matches_numpys_in_place():
     for n in (1, 5, 8, 13, 300):
         wide = (rng.normal(size=(3, 4, 2, n + 7)) * 20).astype(np.float32)
         wide[..., :n][rng.random((3, 4, 2, n)) < 0.3] = -np.inf
-        wide[..., 0] = rng.normal(size=(3, 4, 2)).astype(np.float32)          # every row keeps a finite value
+        wide[..., 3] = rng.normal(size=(3, 4, 2)).astype(np.float32)          # every row of x keeps a finite value
         x = wide.reshape(3, 8, n + 7)[:, 2:, 3: n + 3]                         # [3, 6, n], rows n + 7 apart
         before = wide.copy()
         want = x.astype(np.float64)
@@ -646,7 +663,8 @@ def test_the_native_softmax_matches_numpys_in_place():
         outside = np.ones(wide.shape, bool)
         outside.reshape(3, 8, n + 7)[:, 2:, 3: n + 3] = False
         assert np.array_equal(wide[outside], before[outside])                # nothing else written
-    for bad in (np.array([[[0.0, np.nan, 1.0]]], np.float32), np.full((1, 2, 9), -np.inf, np.float32)):
+    for bad in (np.array([[[0.0, np.nan, 1.0]]], np.float32), np.full((1, 2, 9), -np.inf, np.float32),
+                np.array([[[0.0, np.inf, 1.0]]], np.float32)):
         with pytest.raises(EntroKVError):
             softmax_rows(bad)
     with pytest.raises(ValueError):

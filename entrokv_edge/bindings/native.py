@@ -528,9 +528,9 @@ def recall_rank(q: np.ndarray, lse: np.ndarray, means_t: np.ndarray, counts: np.
 
 def softmax_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A softmax in place in C (llama_entrokv_softmax_rows) over the rows of x, a float32 [A, B, n] array (a
-    view whose rows may lie apart, each row's n floats contiguous): each row becomes exp(x - max) (0 where
-    x is -inf). Returns (lse, 1 / sum), float32 [A, B] each; EntroKVError for a row with a NaN or with no
-    finite value."""
+    view whose rows may lie apart, each row's n floats contiguous, A-major): each row becomes exp(x - max) (0
+    where x is -inf). Returns (lse, 1 / sum), float32 [A, B] each; EntroKVError for a row with a NaN, a +inf
+    or no finite value."""
     ffi, lib = _api()
     if x.ndim != 3 or x.dtype != np.float32 or not x.flags.writeable:
         raise ValueError(f"softmax_rows: x must be a writable float32 [A, B, n] array, got {x.dtype} {x.shape}")

@@ -538,7 +538,11 @@ class Recall:
         r = H // (S // L)
         i = len(self.steps) - m
         att = self._att
-        if att is None or att.shape[0] != S or att.shape[2:] != (r, n) or att.shape[1] < i + m:
+        if i and (att is None or att.shape[0] != S or att.shape[2:] != (r, n)):   # (the earlier steps' are not of
+            self.steps = [(q, p, None) for q, p, _ in self.steps]                 # this layout: none is kept)
+            self._att = None
+            return
+        if att is None or att.shape[1] < i + m:
             fit = max(1, ROWS_BYTES // (S * r * n * 4))          # steps whose attention is kept at most
             cap = max(i + m, min(max(self.config.every, 2 * (0 if att is None else att.shape[1])), fit))
             new = np.empty((S, cap, r, n), np.float32)
@@ -546,7 +550,7 @@ class Recall:
                 new[:, :i] = att[:, :i]
             att = self._att = new
         att[:, i: i + m] = rows.reshape(S, r, m, n).transpose(0, 2, 1, 3)
-        self.steps[i:] = [(q, p, att[:, j]) for j, (q, p, _) in enumerate(self.steps[i:], i)]
+        self.steps[:] = [(q, p, att[:, j]) for j, (q, p, _) in enumerate(self.steps)]   # all: the buffer may be new
 
     def due(self) -> bool:
         return self.store is not None and self.store.n_tokens > 0 and len(self.steps) >= self.config.every

@@ -311,12 +311,13 @@ LLAMA_API int32_t llama_entrokv_recall_plan(
 //   lse   [n_tok, r]     : their log-sum-exp over the cache, finite
 //   means [d, n_pages]   : the stored pages' digests (the mean of each page's keys), a row every
 //                          means_ld (>= n_pages) floats, slot after slot (d rows each)
-//   counts [n_pages]     : the page's stored tokens (>= 0; 0: the page is not in the store)
+//   counts [n_pages]     : the page's stored tokens (0 .. 2^24; 0: the page is not in the store)
+// The means are expected finite (a stored key's mean); they are not checked.
 // A page's mass is, for the query head that gives it most, the sum over the tokens of
 // min(1, count x exp(q . mean - lse)) (in floats; the exponential a polynomial good to a few ulp).
 // Out: out[s * n_out ..] the n_out pages of largest mass among those with a token (ties: lower page
-// first), -1 past the last of them. Reads only its inputs; a non-finite q or lse, or a negative
-// count, is refused (LLAMA_ENTROKV_ERR_INVALID_ARG).
+// first), -1 past the last of them. Reads only its inputs; a non-finite q or lse, or a count
+// outside 0 .. 2^24, is refused (LLAMA_ENTROKV_ERR_INVALID_ARG).
 LLAMA_API int32_t llama_entrokv_recall_rank(
         int32_t n_s, int32_t n_tok, int32_t r, int32_t d,
         const float * q, const float * lse, const float * means, int64_t means_ld,
@@ -325,8 +326,9 @@ LLAMA_API int32_t llama_entrokv_recall_rank(
 // A softmax in place over rows of n floats: row (a, b), for a < n_a and b < n_b, starts at
 // x + a * stride_a + b * ld. Each row becomes exp(x - max) (exactly 0 where x is -inf; the
 // exponential a polynomial good to a few ulp); lse[a * n_b + b] = max + log(sum) and
-// inv_total[a * n_b + b] = 1 / sum (either may be NULL). A row with a NaN or no finite value is
-// refused (LLAMA_ENTROKV_ERR_INVALID_ARG; the rows before it already done).
+// inv_total[a * n_b + b] = 1 / sum (either may be NULL). A row with a NaN, a +inf or no finite
+// value is refused (LLAMA_ENTROKV_ERR_INVALID_ARG; the rows before it already done), and so are
+// rows (a, b) that are not laid out a-major (stride_a >= (n_b - 1) * ld + n where n_a > 1).
 LLAMA_API int32_t llama_entrokv_softmax_rows(
         float * x, int64_t n_a, int64_t stride_a, int64_t n_b, int64_t ld, int32_t n,
         float * lse, float * inv_total);

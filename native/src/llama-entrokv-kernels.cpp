@@ -30,6 +30,7 @@
 namespace {
 
 constexpr int QB = 4;       // queries per block
+constexpr int32_t MAX_COUNT = 1 << 24;      // tokens of a stored page at most (the logs of 0..MAX_COUNT are tabled)
 constexpr int PB = 16;      // pages per block
 
 #if defined(__GNUC__)
@@ -314,8 +315,9 @@ static int32_t recall_rank(int32_t n_s, int32_t n_tok, int32_t r, int32_t d, con
     }
     int32_t c_max = 0;
     for (size_t i = 0; i < (size_t) n_s * n_pages; ++i) {
-        if (counts[i] < 0) {
-            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "recall_rank: counts[%zu] = %d is negative", i, counts[i]);
+        if (counts[i] < 0 || counts[i] > MAX_COUNT) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "recall_rank: counts[%zu] = %d is outside 0..%d", i,
+                    counts[i], MAX_COUNT);
         }
         c_max = std::max(c_max, counts[i]);
     }
