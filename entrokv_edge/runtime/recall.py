@@ -339,17 +339,10 @@ def _segment_sums(x: np.ndarray, order: np.ndarray, starts: np.ndarray, n: np.nd
     short = n <= SHORT
     if short.any():
         s, k = starts[short], n[short]
-        K = int(k.max())
-        if (k == K).all():          # the usual case, whole pages: their rows gathered at once, added in order
-            rows = x[order[s[:, None] + np.arange(K)]]                         # [segments, K, d]
-            acc = rows[:, 0].astype(np.float32)
-            for j in range(1, K):
-                acc += rows[:, j]
-        else:
-            acc = x[order[s]].astype(np.float32)
-            for j in range(1, K):
-                at = np.flatnonzero(k > j)
-                acc[at] += x[order[s[at] + j]]
+        acc = x[order[s]].astype(np.float32)
+        for j in range(1, int(k.max())):
+            at = np.flatnonzero(k > j)
+            acc[at] += x[order[s[at] + j]]
         out[short] = acc
     if not short.all():
         s, k = starts[~short], n[~short]
