@@ -673,6 +673,36 @@ def test_the_native_softmax_matches_numpys_in_place():
         softmax_rows(np.zeros((1, 2, 3), np.float64))
 
 
+def test_the_kernels_plain_paths_pass_the_same_checks():
+    """With ENTROKV_NO_SIMD=1 the kernels take their plain C++ paths (what a CPU without AVX2, FMA or F16C
+    runs): the ranking, the softmax and F16 to float pass the same checks there. On a CPU with AVX2 the
+    softmax's sums then differ in their last bits from this process's (8 lanes summed apart): the plain
+    path did run."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    from entrokv_edge.bindings import softmax_rows
+    code = ("import numpy as np; from entrokv_edge.bindings import softmax_rows; "
+            "x = np.random.default_rng(9).normal(size=(1, 4, 1000)).astype(np.float32); "
+            "print('inv', softmax_rows(x)[1].tobytes().hex())")
+    env = {**os.environ, "ENTROKV_NO_SIMD": "1"}
+    here = Path(__file__).resolve()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here),
+                        str(here.parent / "test_rows.py"), "-k",
+                        "native_digest_ranking_matches or native_softmax_matches or rows_to_float"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=here.parent)
+    assert r.returncode == 0 and re.search(r"^5 passed", r.stdout, re.M), r.stdout[-2000:] + r.stderr[-2000:]
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    x = np.random.default_rng(9).normal(size=(1, 4, 1000)).astype(np.float32)
+    here_inv = softmax_rows(x)[1].tobytes().hex()
+    assert plain.returncode == 0 and plain.stdout.startswith("inv "), plain.stderr
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx2" in flags and " fma" in flags:
+        assert plain.stdout.split()[1] != here_inv
+
+
 def test_a_file_store_reads_and_writes_the_rows_a_memory_store_does(tmp_path):
     """_Rows in a file (positioned reads merged across small gaps, writes per run of adjacent rows)
     against _Rows in memory: the same segments, random gathers in any order and with repeats, and
@@ -746,23 +776,72 @@ def test_a_prompt_that_ends_in_its_own_eviction_keeps_the_logits_it_ended_with(m
     assert llm.n_tokens == 206
 
 
-def test_segment_sums_match_plain_sums_and_depend_on_their_own_rows_only():
-    """Store._account's per-page key sums (short pages by place, long ones by numpy's reduction): each
-    close to a float64 sum, and the same whether a page is summed alone or beside longer or shorter ones."""
-    from entrokv_edge.runtime.recall import SHORT, _segment_sums
+def reference_digests(si, pages, keys, sign, sums, counts, means_t):
+    """llama_entrokv_digest_update in plain Python: per (slot, page), its tokens' keys summed in the order
+    given as float32, added to (or taken from) the page's sum; an emptied page's sum exactly 0; the mean
+    divided in float64 and rounded to float32."""
+    sums, counts, means_t = sums.copy(), counts.copy(), means_t.copy()
+    groups = {}
+    for i, u in enumerate(zip(si.tolist(), pages.tolist())):
+        groups.setdefault(u, []).append(i)
+    for (s, p), idx in groups.items():
+        counts[s, p] += sign * len(idx)
+        if counts[s, p] == 0:
+            sums[s, p] = 0.0
+        else:
+            acc = keys[idx[0]].copy()
+            for i in idx[1:]:
+                acc += keys[i]
+            sums[s, p] += np.float32(sign) * acc
+        means_t[s, :, p] = (sums[s, p].astype(np.float64) / max(int(counts[s, p]), 1)).astype(np.float32)
+    return sums, counts, means_t
+
+
+def test_digest_update_matches_plain_sums_in_order_and_refuses_without_writing():
+    """The store's digests in C (llama_entrokv_digest_update): tokens coming in and leaving, several per
+    page and pages emptied, give bit for bit the sums, counts and means of the plain reference; pages not
+    touched stay as they were; a slot or page out of range, or a count below 0, changes nothing."""
+    from entrokv_edge.bindings import EntroKVError, digest_update
     rng = np.random.default_rng(3)
-    for trial in range(60):
-        m = int(rng.integers(1, 3 * SHORT + 50))
-        x = rng.normal(size=(m, 8)).astype(np.float32)
-        flat = rng.integers(0, 3 if trial % 3 == 0 else 200, m)          # a third with pages longer than SHORT
-        order = np.argsort(flat, kind="stable")
-        starts = np.flatnonzero(np.r_[True, np.diff(flat[order]) != 0])
-        n = np.diff(np.r_[starts, m])
-        got = _segment_sums(x, order, starts, n)
-        want = np.stack([x[order[a: a + k]].astype(np.float64).sum(0) for a, k in zip(starts, n)])
-        assert np.allclose(got, want, atol=1e-4)
-        for i in range(starts.size):
-            assert np.array_equal(_segment_sums(x, order, starts[i: i + 1], n[i: i + 1])[0], got[i])
+    S, npg, d = 5, 40, 12
+    sums, counts = np.zeros((S, npg, d), np.float32), np.zeros((S, npg), np.int64)
+    means_t = np.zeros((S, d, npg), np.float32)
+    held = []                                                  # (slot, page, key) of the tokens in the digests
+    for trial in range(40):
+        if trial % 2 == 0 or not held:                         # tokens come in, up to 70 per page
+            m = int(rng.integers(1, 300))
+            si, pages = rng.integers(0, S, m), rng.integers(0, 3 if trial % 4 == 0 else npg, m)
+            keys = rng.normal(size=(m, d)).astype(np.float32) * 10 ** rng.uniform(-3, 3, (m, 1)).astype(np.float32)
+            sign = 1
+            held += list(zip(si.tolist(), pages.tolist(), keys))
+        else:                                                  # some leave, whole pages among them
+            take = rng.permutation(len(held))[: int(rng.integers(1, len(held) + 1))]
+            if trial % 3 == 0:
+                s0, p0 = held[take[0]][:2]
+                take = np.union1d(take, [i for i, h in enumerate(held) if h[:2] == (s0, p0)])
+            si = np.array([held[i][0] for i in take])
+            pages = np.array([held[i][1] for i in take])
+            keys = np.stack([held[i][2] for i in take])
+            sign = -1
+            held = [h for i, h in enumerate(held) if i not in set(take.tolist())]
+        want = reference_digests(si, pages, keys, sign, sums, counts, means_t)
+        digest_update(si, pages, keys, sign, sums, counts, means_t)
+        for got, w in zip((sums, counts, means_t), want):
+            assert np.array_equal(got.view(np.uint8), w.view(np.uint8)), trial
+    live = counts > 0
+    assert live.any() and (counts == np.bincount([h[0] * npg + h[1] for h in held], minlength=S * npg).reshape(S, npg)).all()
+    assert not sums[~live].any() and not means_t.transpose(0, 2, 1)[~live].any()      # emptied pages: exactly 0
+    before = (sums.copy(), counts.copy(), means_t.copy())
+    key = np.ones((2, d), np.float32)
+    empty = np.argwhere(~live)[0]
+    for si, pages, sign in (([0, S], [0, 0], 1), ([0, 0], [0, npg], 1), ([0, -1], [0, 0], 1),
+                            ([empty[0]] * 2, [empty[1]] * 2, -1)):
+        with pytest.raises((EntroKVError, ValueError)):
+            digest_update(np.array(si), np.array(pages), key, sign, sums, counts, means_t)
+        for got, w in zip((sums, counts, means_t), before):
+            assert np.array_equal(got, w)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        digest_update(np.array([0]), np.array([0]), key[:1], 1, sums, counts.astype(np.int32), means_t)
 
 
 @pytest.mark.parametrize("lookahead", [0, 8])

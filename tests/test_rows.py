@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import entrokv_edge as ek
-from entrokv_edge.bindings import read_cells, restore, write_cells
+from entrokv_edge.bindings import read_cells, restore, swap_cells, write_cells
 from helpers import feed, make_llm, oracle_blob, parse_cache, random_keep, state_blob
 
 N, K = 48, 20
@@ -101,6 +101,33 @@ def test_written_cells_match_the_state_rewrite_oracle(synth_models, type_k, type
     assert (ek.true_positions(a)[:, :K - 6] == np.take_along_axis(tp, keep2, 1)).all()
 
 
+@pytest.mark.parametrize("type_k,type_v,fa", CACHE_CONFIGS)
+def test_swapped_cells_give_what_a_read_then_a_write_give(synth_models, type_k, type_v, fa):
+    """swap_cells (llama_entrokv_swap_cells): the rows it hands back are the ones read_cells reads just
+    before, and the cache and true positions after it are the ones write_cells leaves, on every cache
+    layout (transposed V or not, F32, F16, quantized)."""
+    path = synth_models["llama-r3"]
+    a, b = (filled(path, type_k=type_k, type_v=type_v, flash_attn=fa) for _ in range(2))
+    g = ek.geometry(a)
+    store_k, store_v = read_cells(a, [np.arange(N)] * g.n_slots)
+    rng = np.random.default_rng(6)
+    keep = random_keep(rng, g.n_slots, N, K, protect=4)
+    ek.compact(a, keep), ek.compact(b, keep)
+    for n_swap in (6, 3):                       # twice: the second swaps cells the first wrote
+        cells, pos = swap_plan(rng, keep, n_swap, protect=4)
+        tp = ek.true_positions(a)
+        pos = [np.setdiff1d(p, t) for p, t in zip(pos, tp)]              # not held already
+        cells = [c[: p.size] for c, p in zip(cells, pos)]
+        k_in = [store_k[s][pos[s]] for s in range(g.n_slots)]
+        v_in = [store_v[s][pos[s]] for s in range(g.n_slots)]
+        want_k, want_v = read_cells(b, cells, g, buffers=True)
+        write_cells(b, cells, pos, k_in, v_in, g)
+        got_k, got_v = swap_cells(a, cells, pos, k_in, v_in, g)
+        assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
+        assert (ek.true_positions(a) == ek.true_positions(b)).all()
+        assert state_blob(a) == state_blob(b)
+
+
 def test_refused_writes_leave_the_cache_and_table_untouched(synth_models):
     a = filled(synth_models["llama-r2"], type_k="f32")
     g = ek.geometry(a)
@@ -128,15 +155,30 @@ def test_refused_writes_leave_the_cache_and_table_untouched(synth_models):
     ]
     for cells, pos, name in cases:
         k, v = rows([np.clip(p, 0, N - 1) for p in pos])
-        with pytest.raises(ek.EntroKVError) as e:
-            write_cells(a, cells, pos, k, v)
-        assert e.value.name == f"LLAMA_ENTROKV_ERR_{name}", (cells[0], pos[0], e.value)
-        assert state_blob(a) == blob and (ek.true_positions(a) == tp).all()
+        for call in (write_cells, swap_cells):
+            with pytest.raises(ek.EntroKVError) as e:
+                call(a, cells, pos, k, v)
+            assert e.value.name == f"LLAMA_ENTROKV_ERR_{name}", (call, cells[0], pos[0], e.value)
+            assert state_blob(a) == blob and (ek.true_positions(a) == tp).all()
     k, v = rows(evicted)
-    with pytest.raises(ek.EntroKVError, match="BUFFER_SIZE"):           # rows of the wrong size
-        write_cells(a, [[0, 1]] * ns, evicted, [x[:, :-1] for x in k], v)
+    for call in (write_cells, swap_cells):
+        with pytest.raises(ek.EntroKVError, match="BUFFER_SIZE"):           # rows of the wrong size
+            call(a, [[0, 1]] * ns, evicted, [x[:, :-1] for x in k], v)
     with pytest.raises(ValueError, match="cell lists"):
         write_cells(a, [[0, 1]] * (ns - 1), evicted[:-1], k[:-1], v[:-1])
+    # a swap without a buffer for the rows it overwrites (the C call directly)
+    from entrokv_edge.bindings.native import _api, context_pointer
+    ffi, lib = _api()
+    lens, flat = np.full(ns, 2, np.int32), np.tile(np.array([0, 1], np.int32), ns)
+    kk, vv = np.concatenate([x.ravel() for x in k]), np.concatenate([x.ravel() for x in v])
+    tpos = np.concatenate(evicted).astype(np.int32)
+    kold = np.zeros_like(kk)
+    for ko, vo in ((ffi.NULL, ffi.NULL), (ffi.from_buffer("char[]", kold), ffi.NULL)):
+        rc = lib.llama_entrokv_swap_cells(context_pointer(a), ns, ffi.from_buffer("int32_t[]", lens),
+                                          ffi.from_buffer("int32_t[]", flat), ffi.from_buffer("int32_t[]", tpos),
+                                          ffi.from_buffer("char[]", kk), kk.size, ffi.from_buffer("char[]", vv), vv.size,
+                                          ko, vo)
+        assert rc == lib.LLAMA_ENTROKV_ERR_INVALID_ARG and not kold.any()
     assert state_blob(a) == blob and (ek.true_positions(a) == tp).all()
     # the same rows into the right cells are taken: the cases above were refused for their own reason
     write_cells(a, [[0, 1]] * ns, evicted, k, v)
@@ -183,8 +225,9 @@ def test_rows_given_flat_write_what_per_slot_lists_write(synth_models):
 
 @pytest.mark.parametrize("type_name", ["f32", "f16", "bf16"])
 def test_rows_to_float_converts_exact_types_as_ggml_does(type_name):
-    """F32 / F16 / BF16 rows convert in numpy (the recall's hot path); every bit pattern of a 16-bit
-    type, and random F32 words, must give the floats ggml's own conversion gives (NaNs as NaNs)."""
+    """F32 / BF16 rows convert in numpy, F16 in our C (F16C where the CPU has it; the recall's hot path);
+    every bit pattern of a 16-bit type, and random F32 words, must give the floats ggml's own conversion
+    gives (NaNs as NaNs), and F16 numpy's own cast too (ggml's F16 call is ours)."""
     from entrokv_edge.bindings.native import _ggml_to_float, rows_to_float
     if type_name == "f32":
         words = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
@@ -194,6 +237,8 @@ def test_rows_to_float_converts_exact_types_as_ggml_does(type_name):
         rows = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.uint8).reshape(512, -1)
     tid = {"f32": 0, "f16": 1, "bf16": 30}[type_name]
     got, want = rows_to_float(rows, type_name), _ggml_to_float(rows, tid)
+    if type_name == "f16":
+        want = rows.view(np.float16).astype(np.float32)
     assert got.dtype == np.float32 and got.shape == want.shape
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)

@@ -293,6 +293,17 @@ def write_cells(llm, cells, true_pos, k, v, g: KVGeometry | None = None) -> None
     the rows (as ``read_cells(..., buffers=True)`` gives them). Refused (EntroKVError, the
     cache untouched) unless every cell is a compacted cell, listed once, and every slot's
     true positions stay distinct. ``g``: the cache's geometry, if the caller has it."""
+    _write(llm, cells, true_pos, k, v, g, swap=False)
+
+
+def swap_cells(llm, cells, true_pos, k, v, g: KVGeometry | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``write_cells``, and the rows those cells held before: (k, v), the two uint8 buffers of
+    ``read_cells(llm, cells, buffers=True)`` as it would have read them just before the write,
+    in one pass over the cache. The same refusals (the cache untouched)."""
+    return _write(llm, cells, true_pos, k, v, g, swap=True)
+
+
+def _write(llm, cells, true_pos, k, v, g: KVGeometry | None, swap: bool):
     ffi, lib = _api()
     g = g or geometry(llm)
     lens, flat = _cell_lists(cells, g.n_slots)
@@ -316,10 +327,15 @@ def write_cells(llm, cells, true_pos, k, v, g: KVGeometry | None = None) -> None
         return np.ascontiguousarray(np.concatenate([np.asarray(x, np.uint8).ravel() for x in a]) if len(a) else
                                     np.zeros(0, np.uint8))
     kk, vv = rows(k, "k"), rows(v, "v")
-    _check(lib.llama_entrokv_write_cells(context_pointer(llm), g.n_slots, ffi.from_buffer("int32_t[]", lens),
-                                         ffi.from_buffer("int32_t[]", flat), ffi.from_buffer("int32_t[]", tp),
-                                         ffi.from_buffer("char[]", kk) if kk.size else ffi.NULL, kk.size,
-                                         ffi.from_buffer("char[]", vv) if vv.size else ffi.NULL, vv.size))
+    buf = lambda a: ffi.from_buffer("char[]", a) if a.size else ffi.NULL      # noqa: E731
+    args = (context_pointer(llm), g.n_slots, ffi.from_buffer("int32_t[]", lens), ffi.from_buffer("int32_t[]", flat),
+            ffi.from_buffer("int32_t[]", tp), buf(kk), kk.size, buf(vv), vv.size)
+    if not swap:
+        _check(lib.llama_entrokv_write_cells(*args))
+        return None
+    ko, vo = np.empty_like(kk), np.empty_like(vv)
+    _check(lib.llama_entrokv_swap_cells(*args, buf(ko), buf(vo)))
+    return ko, vo
 
 
 def rows_to_float(rows: np.ndarray, type_name: str) -> np.ndarray:
@@ -332,18 +348,10 @@ def rows_to_float(rows: np.ndarray, type_name: str) -> np.ndarray:
     if t in (0, 1, 30) and nb % (4 if t == 0 else 2) == 0:
         if t == 0:
             return rows.view(np.float32).copy()
-        if t == 1:          # a table of all 65536 halves: faster than numpy's own cast here, the same floats
-            return np.take(_f16_table(), rows.view(np.uint16))
+        if t == 1:          # in C (F16C where the CPU has it): faster than numpy's cast or a table, the same floats
+            return _ggml_to_float(rows, 1)
         return (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return _ggml_to_float(rows, t)
-
-
-@lru_cache(maxsize=1)
-def _f16_table() -> np.ndarray:
-    """float32 [65536]: every F16 bit pattern as a float (read-only)."""
-    table = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-    table.flags.writeable = False
-    return table
 
 
 def _ggml_to_float(rows: np.ndarray, t: int) -> np.ndarray:
@@ -524,6 +532,35 @@ def recall_rank(q: np.ndarray, lse: np.ndarray, means_t: np.ndarray, counts: np.
         ffi.from_buffer("int32_t[]", c) if c.size else ffi.NULL, n_pages, _int32("n_out", n_out),
         ffi.from_buffer("int32_t[]", out)))
     return out
+
+
+
+def digest_update(si: np.ndarray, pages: np.ndarray, keys: np.ndarray, sign: int, sums: np.ndarray, counts: np.ndarray,
+                  means_t: np.ndarray) -> None:
+    """The recall store's digests after tokens come in (sign +1) or leave (-1), in place, in C
+    (llama_entrokv_digest_update): token i in slot si[i], page pages[i], key keys[i] (float32 [n, d]);
+    sums float32 [S, pages, d], counts int64 [S, pages], means_t float32 [S, d, pages], each C-contiguous.
+    Refused (EntroKVError, nothing changed) for a slot or page out of range or a count below 0."""
+    ffi, lib = _api()
+    S, npg, d = sums.shape
+    for a, dt, shape in ((sums, np.float32, (S, npg, d)), (counts, np.int64, (S, npg)), (means_t, np.float32, (S, d, npg))):
+        if a.dtype != dt or a.shape != shape or not a.flags.c_contiguous or not a.flags.writeable:
+            raise ValueError(f"digest_update: sums [S, pages, d] float32, counts [S, pages] int64 and means_t [S, d, pages] "
+                             f"float32 must be writeable C-contiguous arrays, got {sums.shape}, {counts.shape}, {means_t.shape}")
+    n = int(np.size(si))
+    if np.shape(pages) != (n,) or np.shape(si) != (n,) or np.shape(keys) != (n, d):
+        raise ValueError(f"digest_update: si [n], pages [n], keys [n, {d}], got {np.shape(si)}, {np.shape(pages)}, "
+                         f"{np.shape(keys)}")
+    if not n:
+        return
+    for a in (si, pages):
+        _check_int32_range(np.asarray(a))
+    s32, p32 = np.ascontiguousarray(si, np.int32), np.ascontiguousarray(pages, np.int32)
+    kf = np.ascontiguousarray(keys, np.float32)
+    _check(lib.llama_entrokv_digest_update(n, ffi.from_buffer("int32_t[]", s32), ffi.from_buffer("int32_t[]", p32),
+                                           ffi.from_buffer("float[]", kf), d, int(sign), S, npg,
+                                           ffi.from_buffer("float[]", sums), ffi.from_buffer("int64_t[]", counts),
+                                           ffi.from_buffer("float[]", means_t)))
 
 
 def softmax_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

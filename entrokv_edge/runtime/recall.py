@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..bindings import (geometry, read_cells, recall_plan, recall_rank, rows_to_float, softmax_rows, true_positions,
-                        write_cells)
+from ..bindings import (digest_update, geometry, read_cells, recall_plan, recall_rank, rows_to_float, softmax_rows,
+                        swap_cells, true_positions)
 from ..bindings.observe import WindowScores
 
 
@@ -129,14 +129,21 @@ class _Rows:
         """File offsets of the rows (si, e - segment start) of file segment j."""
         return self.segs[j][1] + (si.astype(np.int64) * self.seg_n[j] + e) * self.width
 
+    def _flat(self, j: int, si: np.ndarray, e: np.ndarray):
+        """Memory segment j as rows [n_slots * m, width] and the row of each (si, e - segment start)."""
+        seg = self.segs[j][1]
+        return seg.reshape(-1, self.width), si * self.seg_n[j] + e     # a row index: faster than a 2-D fancy index
+
     def gather(self, si: np.ndarray, e: np.ndarray) -> np.ndarray:
         """Rows (si[i], e[i]) for arrays of the same shape: [..., width]."""
         if self.file is None and len(self.segs) == 1:
-            return self.segs[0][1][si, e]
+            rows, at = self._flat(0, si, e)
+            return np.take(rows, at, axis=0)
         out = np.empty(e.shape + (self.width,), np.uint8)
         for at, j, a in self._parts(e):
             if self.file is None:
-                out[at] = self.segs[j][1][si[at], e[at] - a]
+                rows, i = self._flat(j, si[at], e[at] - a)
+                out[at] = np.take(rows, i, axis=0)
             else:
                 out[at] = _pread_rows(self.file.fileno(), self._offsets(j, si[at], e[at] - a), self.width, self.GAP)
         return out
@@ -144,7 +151,8 @@ class _Rows:
     def scatter(self, si: np.ndarray, e: np.ndarray, rows: np.ndarray) -> None:
         for at, j, a in self._parts(e):
             if self.file is None:
-                self.segs[j][1][si[at], e[at] - a] = rows[at]
+                seg, i = self._flat(j, si[at], e[at] - a)
+                seg[i] = rows[at]
             else:
                 _pwrite_rows(self.file.fileno(), self._offsets(j, si[at], e[at] - a), rows[at], self.width)
 
@@ -266,21 +274,7 @@ class Store:
             self.counts = np.concatenate([self.counts, np.zeros((S, top - self.counts.shape[1]), np.int64)], 1)
             self.means_t = np.concatenate([self.means_t, np.zeros((S, self.head_dim, top - self.means_t.shape[2]),
                                                                   np.float32)], 2)
-        flat = si * self.counts.shape[1] + pages
-        order = np.argsort(flat, kind="stable")
-        fs = flat[order]
-        starts = np.flatnonzero(np.r_[True, fs[1:] != fs[:-1]])                  # each page's first entry
-        u, n = fs[starts], np.diff(np.r_[starts, flat.size])
-        counts = self.counts.reshape(-1)
-        counts[u] += sign * n
-        sums = self.sums.reshape(-1, self.head_dim)
-        empty = counts[u] == 0
-        sums[u[empty]] = 0.0                              # an emptied page: no rounding left behind, nothing to sum
-        left = ~empty
-        if left.any():
-            sums[u[left]] += sign * _segment_sums(kf, order, starts[left], n[left])
-        npg = self.counts.shape[1]
-        self.means_t[u // npg, :, u % npg] = sums[u] / np.maximum(counts[u], 1)[:, None]
+        digest_update(si, pages, kf, sign, self.sums, self.counts, self.means_t)     # in C, in place
 
     def add(self, pos: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Append tokens to every slot: pos [S, m], k [S, m, k width], v [S, m, v width]. The rows are
@@ -329,30 +323,6 @@ class Store:
         self.pos[si, e] = pos
         self.k.scatter(si, e, k)
         self.v.scatter(si, e, v)
-
-
-def _segment_sums(x: np.ndarray, order: np.ndarray, starts: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """float32 [len(starts), d]: the sums of x[order[a: a + k]] for each segment start a and length k (k >= 1).
-    A segment of up to SHORT rows (a page of a store) is added in order, one vectorised add per place; a
-    longer one by numpy's own reduction. Either way a segment's sum depends on its own rows only."""
-    out = np.empty((starts.size, x.shape[-1]), np.float32)
-    short = n <= SHORT
-    if short.any():
-        s, k = starts[short], n[short]
-        acc = x[order[s]].astype(np.float32)
-        for j in range(1, int(k.max())):
-            at = np.flatnonzero(k > j)
-            acc[at] += x[order[s[at] + j]]
-        out[short] = acc
-    if not short.all():
-        s, k = starts[~short], n[~short]
-        first = np.r_[0, np.cumsum(k)[:-1]]
-        take = np.repeat(s - first, k) + np.arange(int(k.sum()))
-        out[~short] = np.add.reduceat(x[order[take]].astype(np.float32, copy=False), first, axis=0)
-    return out
-
-
-SHORT = 64
 
 
 def new_store(g, page_size: int, directory: str | None = None, digests: bool = True) -> Store:
@@ -676,8 +646,7 @@ class Recall:
             k, _ = read_cells(llm, [np.arange(self.n_keep, dtype=np.int32)] * g.n_slots, g, buffers=True,
                               keys_only=True)
             k = k.reshape(g.n_slots, self.n_keep, -1)
-            # F16 (the usual cache) converts exactly in numpy's own cast, faster here than a table for this many keys
-            self._keys = k.view(np.float16).astype(np.float32) if self.store.type_k == "f16" else self.store.keys(k)
+            self._keys = self.store.keys(k)
             self._keys_pos = now.copy()
         return self._keys
 
@@ -725,13 +694,14 @@ class Recall:
         if not si:
             return 0
         si, e, kf_old = np.concatenate(si), np.concatenate(e), np.concatenate(kf_old)
-        out_k, out_v = read_cells(llm, cells, g, buffers=True)   # the displaced tokens, before they are overwritten
         pos_in = st.pos[si, e]
-        write_cells(llm, cells, pos_in, st.k.gather(si, e), st.v.gather(si, e), g)     # every slot's in turn
+        # every slot's in turn: the stored rows written, the displaced tokens' rows read out in the same pass
+        out_k, out_v = swap_cells(llm, cells, pos_in, st.k.gather(si, e), st.v.gather(si, e), g)
         cs, cc = np.repeat(np.arange(len(cells)), [c.size for c in cells]), np.concatenate(cells)
         out_k, out_v = out_k.reshape(si.size, -1), out_v.reshape(si.size, -1)
         kf_out = st.keys(out_k)                          # the displaced keys as floats [n, d] (as _keys holds them)
-        self._keys[cs, cc], self._keys_pos[cs, cc] = kf_old, pos_in     # the resident keys follow the swap
+        at = cs * self.n_keep + cc                       # the resident keys follow the swap (a flat row index)
+        self._keys.reshape(-1, st.head_dim)[at], self._keys_pos.reshape(-1)[at] = kf_old, pos_in
         st.replace(si, e, tp[cs, cc], out_k, out_v, kf_old, kf_out)
         self.recalled += int(si.size)
         return int(si.size)
@@ -775,7 +745,9 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     kf = st.keys(st.k.gather(np.broadcast_to(ss[:, None], ent.shape), np.maximum(ent, 0)))   # [S, N*page, d]
     # the read tokens' weights and the cache's on one scale per query (at most 1 each, one of them 1)
     w = _dot(q, kf, np.float32)                                                       # [S, I, r, N*page]
-    w[np.broadcast_to((ent < 0)[:, None, None, :], w.shape)] = -np.inf
+    gone_s, gone_t = np.nonzero(ent < 0)                                              # no token there
+    if gone_s.size:
+        w.transpose(0, 3, 1, 2)[gone_s, gone_t] = -np.inf
     shift = np.maximum(lse_res, w.max(-1)) if w.shape[-1] else lse_res.astype(np.float32)
     w -= shift[..., None]
     np.exp(w, out=w)

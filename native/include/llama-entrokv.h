@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LLAMA_ENTROKV_API_VERSION 8
+#define LLAMA_ENTROKV_API_VERSION 9
 
 enum llama_entrokv_status {
     LLAMA_ENTROKV_OK                  =   0,
@@ -172,6 +172,23 @@ LLAMA_API int32_t llama_entrokv_write_cells(
         size_t k_size,
         const void * v_in,
         size_t v_size);
+
+// As llama_entrokv_write_cells, and the rows the listed cells held before are copied out into
+// k_old and v_old (k_size and v_size bytes, laid out as k_in and v_in; not overlapping them): a
+// read and a write in one pass over the cache (API 9). The same checks, all before anything is
+// written or copied out: on error the cache, its true positions and k_old / v_old are as they were.
+LLAMA_API int32_t llama_entrokv_swap_cells(
+        struct llama_context * ctx,
+        int32_t n_slots,
+        const int32_t * lens,
+        const int32_t * cells,
+        const int32_t * true_pos,
+        const void * k_in,
+        size_t k_size,
+        const void * v_in,
+        size_t v_size,
+        void * k_old,
+        void * v_old);
 
 // Convert n elements of ggml type `type` (a cache's type_k / type_v: F32, F16, BF16 or a
 // quantized type; n a multiple of its block size) to float, as ggml does.
@@ -322,6 +339,19 @@ LLAMA_API int32_t llama_entrokv_recall_rank(
         int32_t n_s, int32_t n_tok, int32_t r, int32_t d,
         const float * q, const float * lse, const float * means, int64_t means_ld,
         const int32_t * counts, int32_t n_pages, int32_t n_out, int32_t * out);
+
+// The recall store's digests (per slot and page of true positions) after n tokens come into the
+// store (sign +1) or leave it (sign -1): token i is in slot slot[i] (0 .. n_s - 1), page page[i]
+// (0 .. n_pages - 1), with key keys[i * d .. i * d + d - 1] as floats. Per (slot, page) touched:
+//   counts  [n_s, n_pages]     : + sign x its tokens
+//   sums    [n_s, n_pages, d]  : + sign x the float sum of their keys (in the order given, first
+//                                key first); exactly 0 when the page is left with no token
+//   means_t [n_s, d, n_pages]  : sums / counts (divided in double, rounded to float; 0 when empty)
+// Other pages are not touched. A slot or page out of range, or a count that would go below 0, is
+// refused (LLAMA_ENTROKV_ERR_INVALID_ARG) before anything is written.
+LLAMA_API int32_t llama_entrokv_digest_update(
+        int32_t n, const int32_t * slot, const int32_t * page, const float * keys, int32_t d, int32_t sign,
+        int32_t n_s, int32_t n_pages, float * sums, int64_t * counts, float * means_t);
 
 // A softmax in place over rows of n floats: row (a, b), for a < n_a and b < n_b, starts at
 // x + a * stride_a + b * ld. Each row becomes exp(x - max) (exactly 0 where x is -inf; the

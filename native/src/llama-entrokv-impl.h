@@ -48,6 +48,9 @@ struct llama_entrokv_state {
     }
 };
 
+// F16 to float, exactly (F16C where the CPU has it, checked at run time): llama-entrokv-kernels.cpp
+void entrokv_f16_to_f32(const uint16_t * src, float * dst, int64_t n);
+
 // set llama_entrokv_last_error() and return code; ok() clears it and returns 0
 int32_t llama_entrokv_fail(int32_t code, const char * fmt, ...);
 int32_t llama_entrokv_ok();
@@ -85,7 +88,8 @@ struct llama_entrokv_access {
     static int32_t read_cells (llama_context * ctx, int32_t n_slots, const int32_t * lens, const int32_t * cells,
                                void * k_out, size_t k_size, void * v_out, size_t v_size);
     static int32_t write_cells(llama_context * ctx, int32_t n_slots, const int32_t * lens, const int32_t * cells,
-                               const int32_t * true_pos, const void * k_in, size_t k_size, const void * v_in, size_t v_size);
+                               const int32_t * true_pos, const void * k_in, size_t k_size, const void * v_in, size_t v_size,
+                               void * k_old, void * v_old);     // k_old, v_old: NULL, or a swap (the rows overwritten)
 
     // observation (llama-entrokv-observe.cpp)
     static void    after_ubatch   (llama_context & lctx, const llm_graph_result * res, const struct llama_ubatch & ubatch);

@@ -10,7 +10,8 @@
 // This is the recall's largest arithmetic (queries x pages x head_dim per slot). The products are
 // blocked (4 queries x 16 pages in registers, the means read once per block) and the exponential is a
 // polynomial; where the CPU has AVX2 and FMA (checked at run time) both run 8 lanes at a time, whatever
-// flags the rest of the build has, else in plain C++.
+// flags the rest of the build has, else in plain C++ (also with ENTROKV_NO_SIMD=1 in the environment).
+// Also here: F16 to float (F16C where the CPU has it) and the store's digest update.
 
 #include "llama-entrokv.h"
 #include "llama-entrokv-impl.h"
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -204,8 +206,18 @@ __attribute__((target("avx2,fma"))) void slot_mass_avx2(const float * qs, const 
     }
 }
 
+// ENTROKV_NO_SIMD set (to anything but "" or "0") in the environment: the plain C++ paths, whatever the
+// CPU has (read once, at the first call; the tests run them this way)
+bool simd_allowed() {
+    static const bool ok = [] {
+        const char * e = std::getenv("ENTROKV_NO_SIMD");
+        return e == nullptr || e[0] == '\0' || (e[0] == '0' && e[1] == '\0');
+    }();
+    return ok;
+}
+
 bool have_avx2() {
-    static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    static const bool ok = simd_allowed() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     return ok;
 }
 #endif
@@ -287,6 +299,52 @@ __attribute__((target("avx2,fma"))) double softmax_row_avx2(float * x, int32_t n
         sum += x[c];
     }
     return sum;
+}
+#endif
+
+// F16 (IEEE half) to float, exactly: every finite value, the infinities, and NaN as a NaN of the same sign
+// and payload (quiet).
+float f16_to_f32_one(uint16_t h) {
+    const uint32_t sign = (uint32_t) (h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu, bits;
+    if (e == 0x1Fu) {
+        bits = sign | 0x7F800000u | (m << 13) | (m ? 0x400000u : 0u);
+    } else if (e != 0) {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    } else if (m == 0) {
+        bits = sign;
+    } else {                                    // a subnormal half: a normal float
+        e = 113;
+        while (!(m & 0x400u)) {
+            m <<= 1;
+            --e;
+        }
+        bits = sign | (e << 23) | ((m & 0x3FFu) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+void f16_to_f32_plain(const uint16_t * src, float * dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        dst[i] = f16_to_f32_one(src[i]);
+    }
+}
+
+#ifdef ENTROKV_AVX2
+// the same with the F16C instruction (exact, as above; a signalling NaN comes out quiet, as above)
+__attribute__((target("f16c,avx"))) void f16_to_f32_f16c(const uint16_t * src, float * dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (src + i))));
+    }
+    f16_to_f32_plain(src + i, dst + i, n - i);
+}
+
+bool have_f16c() {
+    static const bool ok = simd_allowed() && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    return ok;
 }
 #endif
 
@@ -412,4 +470,98 @@ static int32_t softmax_rows(float * x, int64_t n_a, int64_t stride_a, int64_t n_
 extern "C" int32_t llama_entrokv_softmax_rows(float * x, int64_t n_a, int64_t stride_a, int64_t n_b, int64_t ld, int32_t n,
         float * lse, float * inv_total) {
     return softmax_rows(x, n_a, stride_a, n_b, ld, n, lse, inv_total);
+}
+
+void entrokv_f16_to_f32(const uint16_t * src, float * dst, int64_t n) {
+#ifdef ENTROKV_AVX2
+    if (have_f16c()) {
+        f16_to_f32_f16c(src, dst, n);
+        return;
+    }
+#endif
+    f16_to_f32_plain(src, dst, n);
+}
+
+// The store's digests after tokens come in (sign +1) or leave (-1): per (slot, page) touched, its count
+// changes by the tokens', and its key sum by the sum of their keys, taken in the order given (a float
+// sum, the first key first) and then added to (or subtracted from) the page's; a page left with no token
+// gets a sum of exactly 0. The page's mean (transposed: means_t[s][k][p]) is then sum / count, divided in
+// double and rounded to a float. Checked before anything is written.
+static int32_t digest_update(int32_t n, const int32_t * slot, const int32_t * page, const float * keys, int32_t d,
+        int32_t sign, int32_t n_s, int32_t n_pages, float * sums, int64_t * counts, float * means_t) {
+    if (n < 0 || d < 1 || n_s < 0 || n_pages < 0 || (sign != 1 && sign != -1)) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG,
+                "digest_update: bad shape or sign (%d tokens, head_dim %d, %d slots x %d pages, sign %d)", n, d, n_s, n_pages, sign);
+    }
+    if (n == 0) {
+        return llama_entrokv_ok();
+    }
+    if (slot == nullptr || page == nullptr || keys == nullptr || sums == nullptr || counts == nullptr || means_t == nullptr) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "digest_update: a NULL array");
+    }
+    std::vector<int64_t> at((size_t) n);
+    for (int32_t i = 0; i < n; ++i) {
+        if (slot[i] < 0 || slot[i] >= n_s || page[i] < 0 || page[i] >= n_pages) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "digest_update: token %d at slot %d, page %d: outside %d x %d",
+                    i, slot[i], page[i], n_s, n_pages);
+        }
+        at[i] = (int64_t) slot[i] * n_pages + page[i];
+    }
+    // the tokens grouped by (slot, page), each group in the order given
+    std::vector<int32_t> order((size_t) n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return at[a] < at[b]; });
+    for (int32_t j = 0; j < n; ) {
+        int32_t e = j + 1;
+        while (e < n && at[order[e]] == at[order[j]]) {
+            ++e;
+        }
+        const int64_t after = counts[at[order[j]]] + (int64_t) sign * (e - j);
+        if (after < 0) {
+            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "digest_update: slot %d page %d would hold %lld tokens",
+                    slot[order[j]], page[order[j]], (long long) after);
+        }
+        j = e;
+    }
+    std::vector<float> acc((size_t) d);
+    for (int32_t j = 0; j < n; ) {
+        int32_t e = j + 1;
+        while (e < n && at[order[e]] == at[order[j]]) {
+            ++e;
+        }
+        const int64_t u = at[order[j]];
+        counts[u] += (int64_t) sign * (e - j);
+        float * su = sums + (size_t) u * d;
+        if (counts[u] == 0) {
+            std::fill(su, su + d, 0.0f);
+        } else {
+            std::memcpy(acc.data(), keys + (size_t) order[j] * d, sizeof(float) * d);
+            for (int32_t t = j + 1; t < e; ++t) {
+                const float * k = keys + (size_t) order[t] * d;
+                for (int32_t c = 0; c < d; ++c) {
+                    acc[c] += k[c];
+                }
+            }
+            for (int32_t c = 0; c < d; ++c) {
+                su[c] += sign > 0 ? acc[c] : -acc[c];
+            }
+        }
+        const double cnt = (double) std::max<int64_t>(counts[u], 1);
+        const int64_t s = u / n_pages, p = u % n_pages;
+        float * mt = means_t + (size_t) s * d * n_pages + p;
+        for (int32_t c = 0; c < d; ++c) {
+            mt[(size_t) c * n_pages] = (float) ((double) su[c] / cnt);
+        }
+        j = e;
+    }
+    return llama_entrokv_ok();
+}
+
+extern "C" int32_t llama_entrokv_digest_update(int32_t n, const int32_t * slot, const int32_t * page, const float * keys,
+        int32_t d, int32_t sign, int32_t n_s, int32_t n_pages, float * sums, int64_t * counts, float * means_t) {
+    try {
+        return digest_update(n, slot, page, keys, d, sign, n_s, n_pages, sums, counts, means_t);
+    } catch (const std::exception & e) {        // an allocation that failed
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "digest_update failed: %s", e.what());
+    }
 }

@@ -25,6 +25,69 @@
 
 static constexpr int32_t MAX_POS = 1 << 26;     // true positions beyond a context's (64 Mi tokens) are refused
 
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(ENTROKV_NO_AVX2)
+#include <immintrin.h>
+#include <cstdlib>
+#define ENTROKV_PLAN_AVX2 1
+#endif
+
+namespace {
+
+// The resident tokens' mass of one slot: res[c] = max over heads h of the sum over tokens i of
+// (att[i, h, c] x sc[i, h]) x f[i, h], each product rounded to a float and summed in token order (so
+// that both paths below give the same floats: no fused multiply-add).
+void resident_mass(const float * at, int64_t ld, const float * sc, const float * f, int32_t n_tok, int32_t r,
+        int32_t n_keep, float * res) {
+    for (int32_t c = 0; c < n_keep; ++c) {
+        float best = 0.0f;
+        for (int32_t h = 0; h < r; ++h) {
+            float acc = 0.0f;
+            for (int32_t i = 0; i < n_tok; ++i) {
+                const float x = at[(size_t) (i * r + h) * ld + c] * sc[i * r + h];
+                acc += x * f[i * r + h];
+            }
+            best = h == 0 ? acc : std::max(best, acc);
+        }
+        res[c] = best;
+    }
+}
+
+#ifdef ENTROKV_PLAN_AVX2
+// the same, 8 cells at a time (AVX only: a multiply and an add, never fused)
+__attribute__((target("avx"))) void resident_mass_avx(const float * at, int64_t ld, const float * sc, const float * f,
+        int32_t n_tok, int32_t r, int32_t n_keep, float * res) {
+    const int32_t n8 = n_keep & ~7;
+    for (int32_t c = 0; c < n8; c += 8) {
+        __m256 best = _mm256_setzero_ps();
+        for (int32_t h = 0; h < r; ++h) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int32_t i = 0; i < n_tok; ++i) {
+                const int32_t q = i * r + h;
+                const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(at + (size_t) q * ld + c), _mm256_set1_ps(sc[q]));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(x, _mm256_set1_ps(f[q])));
+            }
+            best = h == 0 ? acc : _mm256_max_ps(acc, best);      // max(acc, best): best where equal, as std::max
+        }
+        _mm256_storeu_ps(res + c, best);
+    }
+    if (n8 < n_keep) {
+        std::vector<float> tail((size_t) (n_keep - n8));
+        resident_mass(at + n8, ld, sc, f, n_tok, r, n_keep - n8, tail.data());
+        std::copy(tail.begin(), tail.end(), res + n8);
+    }
+}
+
+bool plan_avx() {
+    static const bool ok = [] {
+        const char * e = std::getenv("ENTROKV_NO_SIMD");
+        return (e == nullptr || e[0] == '\0' || (e[0] == '0' && e[1] == '\0')) && __builtin_cpu_supports("avx");
+    }();
+    return ok;
+}
+#endif
+
+} // namespace
+
 static int32_t recall_plan(
         int32_t n_s, int32_t n_tok, int32_t r, int32_t n_keep,
         const float * att, int64_t att_ld, const float * att_scale, const float * w_cache, const float * w_read, const int32_t * ent, int32_t n_read,
@@ -57,15 +120,8 @@ static int32_t recall_plan(
                     i, (double) w_cache[i]);
         }
     }
-    for (size_t i = 0; i < (size_t) n_s * n_keep; ++i) {
-        if (true_pos[i] < 0 || true_pos[i] >= MAX_POS) {      // the tables below are indexed by true position
-            return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "recall_plan: true_pos[%zu] = %d is outside 0..%d",
-                    i, true_pos[i], MAX_POS - 1);
-        }
-    }
-
     std::vector<double> total(nq), page_score(n_pages);
-    std::vector<float> tok((size_t) r * n_read), res(n_keep), acc(n_keep), f(nq);
+    std::vector<float> tok((size_t) r * n_read), res(n_keep), f(nq), ones(nq, 1.0f);
     std::vector<int32_t> m(n_pages), po(n_pages), cell_of, owner, touched;
     std::vector<std::pair<double, int32_t>> order;     // (mass, eviction page) of the displaceable pages
     std::vector<double> gsum;
@@ -77,18 +133,37 @@ static int32_t recall_plan(
         const int32_t * en = ent ? ent + (size_t) s * n_read : nullptr;
         const int32_t * tp = true_pos + (size_t) s * n_keep;
 
-        // every query's weights renormalised over the cache and the read tokens together
-        for (int32_t q = 0; q < nq; ++q) {
-            double sum = wc[q];
-            for (int32_t t = 0; t < n_read; ++t) {
-                sum += en[t] >= 0 ? wr[(size_t) q * n_read + t] : 0.0f;
+        // every query's weights renormalised over the cache and the read tokens together (each query's sum in
+        // token order; four queries at a time, their sums apart, so that the additions overlap)
+        for (int32_t q0 = 0; q0 < nq; q0 += 4) {
+            const int32_t nb = std::min<int32_t>(4, nq - q0);
+            double sum[4] = { wc[q0], nb > 1 ? wc[q0 + 1] : 0.0, nb > 2 ? wc[q0 + 2] : 0.0, nb > 3 ? wc[q0 + 3] : 0.0 };
+            const float * w0 = wr + (size_t) q0 * n_read;
+            if (nb == 4) {
+                for (int32_t t = 0; t < n_read; ++t) {
+                    if (en[t] >= 0) {
+                        sum[0] += w0[t];
+                        sum[1] += w0[n_read + t];
+                        sum[2] += w0[2 * (size_t) n_read + t];
+                        sum[3] += w0[3 * (size_t) n_read + t];
+                    }
+                }
+            } else {
+                for (int32_t j = 0; j < nb; ++j) {
+                    for (int32_t t = 0; t < n_read; ++t) {
+                        sum[j] += en[t] >= 0 ? w0[(size_t) j * n_read + t] : 0.0f;
+                    }
+                }
             }
-            if (!(sum > 0.0) || !std::isfinite(sum)) {
-                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG,
-                        "recall_plan: slot %d query %d: the weights sum to %g", s, q, sum);
+            for (int32_t j = 0; j < nb; ++j) {
+                const int32_t q = q0 + j;
+                if (!(sum[j] > 0.0) || !std::isfinite(sum[j])) {
+                    return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG,
+                            "recall_plan: slot %d query %d: the weights sum to %g", s, q, sum[j]);
+                }
+                total[q] = sum[j];
+                f[q] = (float) (wc[q] / sum[j]);
             }
-            total[q] = sum;
-            f[q] = (float) (wc[q] / sum);
         }
         std::fill(tok.begin(), tok.end(), 0.0f);
         for (int32_t i = 0; i < n_tok; ++i) {
@@ -119,25 +194,24 @@ static int32_t recall_plan(
             page_score[p] = cnt > 0 ? best : -inf;
         }
 
-        // the resident tokens' mass, renormalised the same way; its sum per eviction page
+        // the resident tokens' mass, renormalised the same way (the attention times its scale rounded as a
+        // float, as numpy would have it); its sum per eviction page
         int32_t tp_max = 0;
         for (int32_t c = 0; c < n_keep; ++c) {
+            if (tp[c] < 0 || tp[c] >= MAX_POS) {      // the tables below are indexed by true position
+                return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "recall_plan: true_pos[%zu] = %d is outside 0..%d",
+                        (size_t) s * n_keep + c, tp[c], MAX_POS - 1);
+            }
             tp_max = std::max(tp_max, tp[c]);
         }
-        for (int32_t h = 0; h < r; ++h) {
-            std::fill(acc.begin(), acc.end(), 0.0f);
-            for (int32_t i = 0; i < n_tok; ++i) {
-                const float fq = f[i * r + h];
-                const float sc = att_scale ? att_scale[(size_t) s * nq + i * r + h] : 1.0f;
-                const float * a = at + (size_t) (i * r + h) * att_ld;
-                for (int32_t c = 0; c < n_keep; ++c) {
-                    const float x = a[c] * sc;      // the attention, rounded as a float: as numpy would have it
-                    acc[c] += x * fq;
-                }
-            }
-            for (int32_t c = 0; c < n_keep; ++c) {
-                res[c] = h == 0 ? acc[c] : std::max(res[c], acc[c]);
-            }
+        const float * sc = att_scale ? att_scale + (size_t) s * nq : ones.data();
+#ifdef ENTROKV_PLAN_AVX2
+        if (plan_avx()) {
+            resident_mass_avx(at, att_ld, sc, f.data(), n_tok, r, n_keep, res.data());
+        } else
+#endif
+        {
+            resident_mass(at, att_ld, sc, f.data(), n_tok, r, n_keep, res.data());
         }
         // the eviction pages the cells hold (tables indexed by page and by true position, grown as needed;
         // only what this slot touched is reset after it)

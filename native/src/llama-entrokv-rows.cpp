@@ -64,11 +64,16 @@ void tensor_io(ggml_tensor * t, bool write, void * host, size_t offset, size_t n
 
 // One head's slices of cells c0 .. c0+m-1 in a tensor of rows (K, or V not transposed):
 // slice i is at offset (c0 + i) * pitch + head_off, `row` bytes, rows + i * row in host memory.
+// A write with `old`: the slices it overwrites are copied there first (a swap, in one pass).
 void move_rows(ggml_tensor * t, bool write, char * rows, uint32_t c0, int32_t m, size_t pitch, size_t head_off, size_t row,
-        std::vector<char> & span) {
+        std::vector<char> & span, char * old = nullptr) {
     if (is_host(t)) {
         for (int32_t i = 0; i < m; ++i) {
-            tensor_io(t, write, rows + (size_t) i * row, (size_t) (c0 + i) * pitch + head_off, row);
+            const size_t off = (size_t) (c0 + i) * pitch + head_off;
+            if (write && old != nullptr) {
+                tensor_io(t, false, old + (size_t) i * row, off, row);
+            }
+            tensor_io(t, write, rows + (size_t) i * row, off, row);
         }
         return;
     }
@@ -78,6 +83,9 @@ void move_rows(ggml_tensor * t, bool write, char * rows, uint32_t c0, int32_t m,
     for (int32_t i = 0; i < m; ++i) {
         char * s = span.data() + (size_t) i * pitch + head_off;
         if (write) {
+            if (old != nullptr) {
+                memcpy(old + (size_t) i * row, s, row);
+            }
             memcpy(s, rows + (size_t) i * row, row);
         } else {
             memcpy(rows + (size_t) i * row, s, row);
@@ -89,15 +97,21 @@ void move_rows(ggml_tensor * t, bool write, char * rows, uint32_t c0, int32_t m,
 }
 
 // One head's V slices of cells c0 .. c0+m-1 in a transposed V: channel d of head h is a row of
-// kv_size elements, in which the span's m elements are contiguous.
+// kv_size elements, in which the span's m elements are contiguous. `old`: as for move_rows.
 void move_rows_vtrans(ggml_tensor * v, bool write, char * rows, uint32_t c0, int32_t m, int32_t h, int32_t hd,
-        uint32_t kv_size, std::vector<char> & span) {
+        uint32_t kv_size, std::vector<char> & span, char * old = nullptr) {
     const size_t es  = ggml_type_size(v->type);
     const size_t row = (size_t) hd * es;
     span.resize((size_t) m * es);
     for (int32_t d = 0; d < hd; ++d) {
         const size_t off = ((size_t) (h * hd + d) * kv_size + c0) * es;
         if (write) {
+            if (old != nullptr) {
+                tensor_io(v, false, span.data(), off, span.size());
+                for (int32_t i = 0; i < m; ++i) {
+                    memcpy(old + (size_t) i * row + (size_t) d * es, span.data() + (size_t) i * es, es);
+                }
+            }
             for (int32_t i = 0; i < m; ++i) {
                 memcpy(span.data() + (size_t) i * es, rows + (size_t) i * row + (size_t) d * es, es);
             }
@@ -115,11 +129,17 @@ void move_rows_vtrans(ggml_tensor * v, bool write, char * rows, uint32_t c0, int
 // channel: each channel row is walked once for all of them (per element, no call per span).
 template <typename T>
 void move_vtrans_host(ggml_tensor * v, bool write, char * rows, const int32_t * cells, size_t n, int32_t h, int32_t hd,
-        uint32_t kv_size) {
+        uint32_t kv_size, char * old = nullptr) {
     T * out = (T *) rows;                       // rows: n x hd elements, row form
+    T * was = (T *) old;                        // a write with old: what it overwrites, in the same form
     for (int32_t d = 0; d < hd; ++d) {
         T * ch = (T *) v->data + (size_t) (h * hd + d) * kv_size;
-        if (write) {
+        if (write && was != nullptr) {
+            for (size_t i = 0; i < n; ++i) {
+                was[i * hd + d] = ch[cells[i]];
+                ch[cells[i]] = out[i * hd + d];
+            }
+        } else if (write) {
             for (size_t i = 0; i < n; ++i) {
                 ch[cells[i]] = out[i * hd + d];
             }
@@ -131,8 +151,10 @@ void move_vtrans_host(ggml_tensor * v, bool write, char * rows, const int32_t * 
     }
 }
 
-// move every listed row, slot by slot, each run of consecutive cells as one span
-void move_all(const entrokv_rows_plan & p, bool write, const int32_t * cells, char * k, char * v) {
+// move every listed row, slot by slot, each run of consecutive cells as one span (a write with k_old
+// and v_old: a swap, the rows overwritten copied there as they go)
+void move_all(const entrokv_rows_plan & p, bool write, const int32_t * cells, char * k, char * v,
+        char * k_old = nullptr, char * v_old = nullptr) {
     std::vector<char> span;
     size_t ko = 0, vo = 0;
     for (size_t s = 0; s + 1 < p.first.size(); ++s) {
@@ -142,9 +164,9 @@ void move_all(const entrokv_rows_plan & p, bool write, const int32_t * cells, ch
         // a transposed V on the host, in elements of 2 or 4 bytes: the slot's cells at once
         const size_t es = v != nullptr && p.v_trans && is_host(li.v) ? ggml_type_size(li.v->type) : 0;
         if (es == 2) {
-            move_vtrans_host<uint16_t>(li.v, write, v + vo, cells + p.first[s], n, h, li.hd_v, p.kv_size);
+            move_vtrans_host<uint16_t>(li.v, write, v + vo, cells + p.first[s], n, h, li.hd_v, p.kv_size, v_old ? v_old + vo : nullptr);
         } else if (es == 4) {
-            move_vtrans_host<uint32_t>(li.v, write, v + vo, cells + p.first[s], n, h, li.hd_v, p.kv_size);
+            move_vtrans_host<uint32_t>(li.v, write, v + vo, cells + p.first[s], n, h, li.hd_v, p.kv_size, v_old ? v_old + vo : nullptr);
         }
         const bool v_done = es == 2 || es == 4;
         for (size_t j = p.first[s]; j < p.first[s + 1]; ) {
@@ -153,13 +175,13 @@ void move_all(const entrokv_rows_plan & p, bool write, const int32_t * cells, ch
                 ++m;
             }
             const uint32_t c0 = (uint32_t) cells[j];
-            move_rows(li.k, write, k + ko, c0, m, li.k->nb[1], (size_t) h * li.k_row, li.k_row, span);
+            move_rows(li.k, write, k + ko, c0, m, li.k->nb[1], (size_t) h * li.k_row, li.k_row, span, k_old ? k_old + ko : nullptr);
             if (v == nullptr || v_done) {
                 // keys only (a read), or V moved above
             } else if (p.v_trans) {
-                move_rows_vtrans(li.v, write, v + vo, c0, m, h, li.hd_v, p.kv_size, span);
+                move_rows_vtrans(li.v, write, v + vo, c0, m, h, li.hd_v, p.kv_size, span, v_old ? v_old + vo : nullptr);
             } else {
-                move_rows(li.v, write, v + vo, c0, m, li.v->nb[1], (size_t) h * li.v_row, li.v_row, span);
+                move_rows(li.v, write, v + vo, c0, m, li.v->nb[1], (size_t) h * li.v_row, li.v_row, span, v_old ? v_old + vo : nullptr);
             }
             ko += (size_t) m * li.k_row;
             vo += (size_t) m * li.v_row;
@@ -255,10 +277,14 @@ int32_t llama_entrokv_access::read_cells(llama_context * ctx, int32_t n_slots_in
 }
 
 int32_t llama_entrokv_access::write_cells(llama_context * ctx, int32_t n_slots_in, const int32_t * lens, const int32_t * cells,
-        const int32_t * tpos, const void * k_in, size_t k_size, const void * v_in, size_t v_size) {
+        const int32_t * tpos, const void * k_in, size_t k_size, const void * v_in, size_t v_size, void * k_old, void * v_old) {
     entrokv_rows_plan p;
     if (int32_t rc = plan_rows(ctx, p, n_slots_in, lens, cells, k_in, k_size, v_in, v_size, false)) {
         return rc;
+    }
+    const bool swap = k_old != nullptr || v_old != nullptr;
+    if (swap && ((k_size > 0 && k_old == nullptr) || (v_size > 0 && v_old == nullptr))) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "a buffer for the rows overwritten is NULL");
     }
     llama_kv_cache & kv = *p.t.kv;
     const int32_t ns = (int32_t) p.slot_layer.size();
@@ -334,7 +360,7 @@ int32_t llama_entrokv_access::write_cells(llama_context * ctx, int32_t n_slots_i
         }
     }
     llama_synchronize(ctx);
-    move_all(p, true, cells, (char *) k_in, (char *) v_in);
+    move_all(p, true, cells, (char *) k_in, (char *) v_in, (char *) k_old, (char *) v_old);
     for (int32_t s = 0; s < ns; ++s) {
         for (size_t j = p.first[s]; j < p.first[s + 1]; ++j) {
             st->true_pos[(size_t) s * n_keep + cells[j]] = tpos[j];
@@ -356,6 +382,8 @@ int32_t llama_entrokv_to_float(int32_t type, const void * src, float * dst, int6
     }
     if (t == GGML_TYPE_F32) {
         memcpy(dst, src, (size_t) n * sizeof(float));
+    } else if (t == GGML_TYPE_F16) {          // exact either way; ours takes F16C where the CPU has it
+        entrokv_f16_to_f32((const uint16_t *) src, dst, n);
     } else if (ggml_get_type_traits(t)->to_float != nullptr) {
         ggml_get_type_traits(t)->to_float(src, dst, n);
     } else {
@@ -376,9 +404,22 @@ int32_t llama_entrokv_read_cells(llama_context * ctx, int32_t n_slots, const int
 int32_t llama_entrokv_write_cells(llama_context * ctx, int32_t n_slots, const int32_t * lens, const int32_t * cells,
         const int32_t * true_pos, const void * k_in, size_t k_size, const void * v_in, size_t v_size) {
     try {
-        return llama_entrokv_access::write_cells(ctx, n_slots, lens, cells, true_pos, k_in, k_size, v_in, v_size);
+        return llama_entrokv_access::write_cells(ctx, n_slots, lens, cells, true_pos, k_in, k_size, v_in, v_size, nullptr, nullptr);
     } catch (const std::exception & e) {
         return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "writing rows failed (the cache may be partly written): %s", e.what());
+    }
+}
+
+int32_t llama_entrokv_swap_cells(llama_context * ctx, int32_t n_slots, const int32_t * lens, const int32_t * cells,
+        const int32_t * true_pos, const void * k_in, size_t k_size, const void * v_in, size_t v_size, void * k_old, void * v_old) {
+    if ((k_size > 0 && k_old == nullptr) || (v_size > 0 && v_old == nullptr)) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG, "a buffer for the rows overwritten is NULL");
+    }
+    try {
+        return llama_entrokv_access::write_cells(ctx, n_slots, lens, cells, true_pos, k_in, k_size, v_in, v_size,
+                k_size > 0 ? k_old : nullptr, v_size > 0 ? v_old : nullptr);
+    } catch (const std::exception & e) {
+        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_BACKEND, "swapping rows failed (the cache may be partly written): %s", e.what());
     }
 }
 
