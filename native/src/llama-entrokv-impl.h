@@ -50,6 +50,8 @@ struct llama_entrokv_state {
 
 // F16 to float, exactly (F16C where the CPU has it, checked at run time): llama-entrokv-kernels.cpp
 void entrokv_f16_to_f32(const uint16_t * src, float * dst, int64_t n);
+// false when ENTROKV_NO_SIMD is set (not "" or "0"): the kernels take their plain C++ paths
+bool entrokv_simd_allowed();
 
 // set llama_entrokv_last_error() and return code; ok() clears it and returns 0
 int32_t llama_entrokv_fail(int32_t code, const char * fmt, ...);

@@ -206,9 +206,11 @@ __attribute__((target("avx2,fma"))) void slot_mass_avx2(const float * qs, const 
     }
 }
 
+} // namespace
+
 // ENTROKV_NO_SIMD set (to anything but "" or "0") in the environment: the plain C++ paths, whatever the
 // CPU has (read once, at the first call; the tests run them this way)
-bool simd_allowed() {
+bool entrokv_simd_allowed() {
     static const bool ok = [] {
         const char * e = std::getenv("ENTROKV_NO_SIMD");
         return e == nullptr || e[0] == '\0' || (e[0] == '0' && e[1] == '\0');
@@ -216,8 +218,10 @@ bool simd_allowed() {
     return ok;
 }
 
+namespace {
+
 bool have_avx2() {
-    static const bool ok = simd_allowed() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    static const bool ok = entrokv_simd_allowed() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     return ok;
 }
 #endif
@@ -343,7 +347,7 @@ __attribute__((target("f16c,avx"))) void f16_to_f32_f16c(const uint16_t * src, f
 }
 
 bool have_f16c() {
-    static const bool ok = simd_allowed() && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    static const bool ok = entrokv_simd_allowed() && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
     return ok;
 }
 #endif

@@ -27,7 +27,6 @@ static constexpr int32_t MAX_POS = 1 << 26;     // true positions beyond a conte
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(ENTROKV_NO_AVX2)
 #include <immintrin.h>
-#include <cstdlib>
 #define ENTROKV_PLAN_AVX2 1
 #endif
 
@@ -78,10 +77,7 @@ __attribute__((target("avx"))) void resident_mass_avx(const float * at, int64_t 
 }
 
 bool plan_avx() {
-    static const bool ok = [] {
-        const char * e = std::getenv("ENTROKV_NO_SIMD");
-        return (e == nullptr || e[0] == '\0' || (e[0] == '0' && e[1] == '\0')) && __builtin_cpu_supports("avx");
-    }();
+    static const bool ok = entrokv_simd_allowed() && __builtin_cpu_supports("avx");
     return ok;
 }
 #endif
