@@ -340,16 +340,14 @@ def _write(llm, cells, true_pos, k, v, g: KVGeometry | None, swap: bool):
 
 def rows_to_float(rows: np.ndarray, type_name: str) -> np.ndarray:
     """float32 [n, elements]: rows (uint8 [n, bytes], as ``read_cells`` gives them) of a cache
-    type (``KVGeometry.type_k`` / ``type_v``) converted to float as ggml converts them. F32, F16
-    and BF16 convert exactly, here; the quantized types through ggml's own conversion."""
+    type (``KVGeometry.type_k`` / ``type_v``) converted to float as ggml converts them. F32 and BF16
+    convert exactly, here; F16 (exactly, F16C where the CPU has it) and the quantized types in C."""
     t = _GGML_TYPE_IDS[type_name] if type_name in _GGML_TYPE_IDS else int(type_name)
     rows = np.ascontiguousarray(rows, dtype=np.uint8)
     n, nb = rows.shape
-    if t in (0, 1, 30) and nb % (4 if t == 0 else 2) == 0:
+    if t in (0, 30) and nb % (4 if t == 0 else 2) == 0:
         if t == 0:
             return rows.view(np.float32).copy()
-        if t == 1:          # in C (F16C where the CPU has it): faster than numpy's cast or a table, the same floats
-            return _ggml_to_float(rows, 1)
         return (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return _ggml_to_float(rows, t)
 
@@ -532,7 +530,6 @@ def recall_rank(q: np.ndarray, lse: np.ndarray, means_t: np.ndarray, counts: np.
         ffi.from_buffer("int32_t[]", c) if c.size else ffi.NULL, n_pages, _int32("n_out", n_out),
         ffi.from_buffer("int32_t[]", out)))
     return out
-
 
 
 def digest_update(si: np.ndarray, pages: np.ndarray, keys: np.ndarray, sign: int, sums: np.ndarray, counts: np.ndarray,
