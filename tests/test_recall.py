@@ -223,6 +223,26 @@ def test_a_recall_with_a_held_draft_takes_the_decoded_tokens_attention_from_the_
     assert np.array_equal(a.recall.store.pos, b.recall.store.pos)
 
 
+def test_the_decoded_tokens_attention_is_written_in_place_as_it_would_be_handed_over(model):
+    """From the second decoded token on, the decode observer writes each token's attention straight into the
+    recall's buffer (rows_target); the floats are those handed over and copied (an instance told no target),
+    and the recall then decides the same."""
+    rc = {**RECALL, "every": 4096, "hold_draft": False}
+    a, b = (ek.EntroKVLlama(model, n_ctx=256, recall=rc, **SETTINGS) for _ in range(2))
+    b.recall.rows_target = lambda: None
+    outs, observe = [], a.recall.observe
+    a.recall.observe = lambda v: (outs.append(v.rows_out), observe(v))
+    for llm in (a, b):
+        llm.eval(prompt(500, 4))
+        decode(llm, 6)
+    n = a.recall.n_keep
+    assert outs == [0] + [n] * 5 and a.recall._att is not b.recall._att
+    for x, y in zip(a.recall.steps, b.recall.steps, strict=True):
+        assert x[1] == y[1] and np.array_equal(x[0], y[0]) and np.array_equal(x[2], y[2])
+    assert a.recall.step(a) == b.recall.step(b) > 0
+    assert np.array_equal(ek.true_positions(a), ek.true_positions(b))
+
+
 def test_steps_loaded_past_every_keep_their_attention_as_the_buffer_grows(model, tmp_path):
     """A session saved with more decoded steps than the loading instance's ``every``: the next step grows the
     steps' attention buffer, every step keeps its attention, and the recall uses the decode's."""
@@ -516,12 +536,14 @@ def _decide(att, w_cache, w_read, ent, tp, protect, P, page, G, scale=None):
     return [(pages[s, :n_pages[s]].tolist(), cells[s, :n_cells[s]].tolist()) for s in range(att.shape[0])]
 
 
-def test_the_native_swap_decision_matches_a_plain_one():
+@pytest.mark.parametrize("n_keep, n_pos", [(60, 72), (1100, 1200)])
+def test_the_native_swap_decision_matches_a_plain_one(n_keep, n_pos):
     """llama_entrokv_recall_plan against reference_decision on random slots: read pages with missing tokens (a
     partial page stops a slot), resident eviction pages that are not whole or are protected, the cap on
-    displaced pages, att given as a slice of a wider array (its rows apart) and dense."""
+    displaced pages, att given as a slice of a wider array (its rows apart) and dense; cells fewer than the
+    resident mass's block of 512 and more (three blocks, the last not a multiple of 8)."""
     rng = np.random.default_rng(1)
-    S, I, r, P, page, n_keep, n_pos = 40, 3, 2, 2, 8, 60, 72
+    S, I, r, P, page = 40, 3, 2, 2, 8
     protect = np.zeros(n_pos // P, bool)
     protect[[0, 1, 2, 30]] = True
     tp = np.stack([rng.choice(n_pos, n_keep, replace=False) for _ in range(S)]).astype(np.int32)
@@ -675,7 +697,7 @@ def test_the_native_softmax_matches_numpys_in_place():
 
 def test_the_kernels_plain_paths_pass_the_same_checks():
     """With ENTROKV_NO_SIMD=1 the kernels take their plain C++ paths (what a CPU without AVX2, FMA or F16C
-    runs): the ranking, the softmax and F16 to float pass the same checks there. On a CPU with AVX2 the
+    runs): the ranking, the softmax, the swap decision and F16 to float pass the same checks there. On a CPU with AVX2 the
     softmax's sums then differ in their last bits from this process's (8 lanes summed apart): the plain
     path did run."""
     import os
@@ -691,9 +713,10 @@ def test_the_kernels_plain_paths_pass_the_same_checks():
     here = Path(__file__).resolve()
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here),
                         str(here.parent / "test_rows.py"), "-k",
-                        "native_digest_ranking_matches or native_softmax_matches or rows_to_float"],
+                        "native_digest_ranking_matches or native_softmax_matches or rows_to_float "
+                        "or native_swap_decision_matches"],
                        capture_output=True, text=True, timeout=600, env=env, cwd=here.parent)
-    assert r.returncode == 0 and re.search(r"^5 passed", r.stdout, re.M), r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and re.search(r"^7 passed", r.stdout, re.M), r.stdout[-2000:] + r.stderr[-2000:]
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     x = np.random.default_rng(9).normal(size=(1, 4, 1000)).astype(np.float32)
     here_inv = softmax_rows(x)[1].tobytes().hex()

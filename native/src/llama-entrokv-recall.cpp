@@ -34,45 +34,78 @@ namespace {
 
 // The resident tokens' mass of one slot: res[c] = max over heads h of the sum over tokens i of
 // (att[i, h, c] x sc[i, h]) x f[i, h], each product rounded to a float and summed in token order (so
-// that both paths below give the same floats: no fused multiply-add).
+// that both paths below give the same floats: no fused multiply-add). MASS_BLOCK cells at a time, the
+// query rows read one after another (a row of the attention is one stream; r x n_tok rows read side by
+// side, as a cell-major loop would, are more than the prefetchers follow); acc holds r x MASS_BLOCK sums.
+constexpr int32_t MASS_BLOCK = 512;
+
 void resident_mass(const float * at, int64_t ld, const float * sc, const float * f, int32_t n_tok, int32_t r,
-        int32_t n_keep, float * res) {
-    for (int32_t c = 0; c < n_keep; ++c) {
-        float best = 0.0f;
-        for (int32_t h = 0; h < r; ++h) {
-            float acc = 0.0f;
-            for (int32_t i = 0; i < n_tok; ++i) {
-                const float x = at[(size_t) (i * r + h) * ld + c] * sc[i * r + h];
-                acc += x * f[i * r + h];
+        int32_t n_keep, float * res, float * acc) {
+    for (int32_t c0 = 0; c0 < n_keep; c0 += MASS_BLOCK) {
+        const int32_t nc = std::min(MASS_BLOCK, n_keep - c0);
+        std::fill(acc, acc + (size_t) r * MASS_BLOCK, 0.0f);
+        for (int32_t i = 0; i < n_tok; ++i) {
+            for (int32_t h = 0; h < r; ++h) {
+                const int32_t q = i * r + h;
+                const float a = sc[q], b = f[q];
+                const float * row = at + (size_t) q * ld + c0;
+                float * o = acc + (size_t) h * MASS_BLOCK;
+                for (int32_t j = 0; j < nc; ++j) {
+                    const float x = row[j] * a;
+                    o[j] += x * b;
+                }
             }
-            best = h == 0 ? acc : std::max(best, acc);
         }
-        res[c] = best;
+        for (int32_t j = 0; j < nc; ++j) {
+            float best = acc[j];
+            for (int32_t h = 1; h < r; ++h) {
+                best = std::max(best, acc[(size_t) h * MASS_BLOCK + j]);
+            }
+            res[c0 + j] = best;
+        }
     }
 }
 
 #ifdef ENTROKV_PLAN_AVX2
 // the same, 8 cells at a time (AVX only: a multiply and an add, never fused)
 __attribute__((target("avx"))) void resident_mass_avx(const float * at, int64_t ld, const float * sc, const float * f,
-        int32_t n_tok, int32_t r, int32_t n_keep, float * res) {
-    const int32_t n8 = n_keep & ~7;
-    for (int32_t c = 0; c < n8; c += 8) {
-        __m256 best = _mm256_setzero_ps();
-        for (int32_t h = 0; h < r; ++h) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int32_t i = 0; i < n_tok; ++i) {
+        int32_t n_tok, int32_t r, int32_t n_keep, float * res, float * acc) {
+    for (int32_t c0 = 0; c0 < n_keep; c0 += MASS_BLOCK) {
+        const int32_t nc = std::min(MASS_BLOCK, n_keep - c0), n8 = nc & ~7;
+        std::fill(acc, acc + (size_t) r * MASS_BLOCK, 0.0f);
+        for (int32_t i = 0; i < n_tok; ++i) {
+            for (int32_t h = 0; h < r; ++h) {
                 const int32_t q = i * r + h;
-                const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(at + (size_t) q * ld + c), _mm256_set1_ps(sc[q]));
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(x, _mm256_set1_ps(f[q])));
+                const float a = sc[q], b = f[q];
+                const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+                const float * row = at + (size_t) q * ld + c0;
+                float * o = acc + (size_t) h * MASS_BLOCK;
+                int32_t j = 0;
+                for (; j < n8; j += 8) {
+                    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(row + j), va);
+                    _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(x, vb)));
+                }
+                for (; j < nc; ++j) {
+                    const float x = row[j] * a;
+                    o[j] += x * b;
+                }
             }
-            best = h == 0 ? acc : _mm256_max_ps(acc, best);      // max(acc, best): best where equal, as std::max
         }
-        _mm256_storeu_ps(res + c, best);
-    }
-    if (n8 < n_keep) {
-        std::vector<float> tail((size_t) (n_keep - n8));
-        resident_mass(at + n8, ld, sc, f, n_tok, r, n_keep - n8, tail.data());
-        std::copy(tail.begin(), tail.end(), res + n8);
+        int32_t j = 0;
+        for (; j < n8; j += 8) {
+            __m256 best = _mm256_loadu_ps(acc + j);
+            for (int32_t h = 1; h < r; ++h) {      // max(acc, best): best where equal, as std::max
+                best = _mm256_max_ps(_mm256_loadu_ps(acc + (size_t) h * MASS_BLOCK + j), best);
+            }
+            _mm256_storeu_ps(res + c0 + j, best);
+        }
+        for (; j < nc; ++j) {
+            float best = acc[j];
+            for (int32_t h = 1; h < r; ++h) {
+                best = std::max(best, acc[(size_t) h * MASS_BLOCK + j]);
+            }
+            res[c0 + j] = best;
+        }
     }
 }
 
@@ -117,7 +150,7 @@ static int32_t recall_plan(
         }
     }
     std::vector<double> total(nq), page_score(n_pages);
-    std::vector<float> tok((size_t) r * n_read), res(n_keep), f(nq), ones(nq, 1.0f);
+    std::vector<float> tok((size_t) r * n_read), res(n_keep), f(nq), ones(nq, 1.0f), acc((size_t) r * MASS_BLOCK);
     std::vector<int32_t> m(n_pages), po(n_pages), cell_of, owner, touched;
     std::vector<std::pair<double, int32_t>> order;     // (mass, eviction page) of the displaceable pages
     std::vector<double> gsum;
@@ -203,11 +236,11 @@ static int32_t recall_plan(
         const float * sc = att_scale ? att_scale + (size_t) s * nq : ones.data();
 #ifdef ENTROKV_PLAN_AVX2
         if (plan_avx()) {
-            resident_mass_avx(at, att_ld, sc, f.data(), n_tok, r, n_keep, res.data());
+            resident_mass_avx(at, att_ld, sc, f.data(), n_tok, r, n_keep, res.data(), acc.data());
         } else
 #endif
         {
-            resident_mass(at, att_ld, sc, f.data(), n_tok, r, n_keep, res.data());
+            resident_mass(at, att_ld, sc, f.data(), n_tok, r, n_keep, res.data(), acc.data());
         }
         // the eviction pages the cells hold (tables indexed by page and by true position, grown as needed;
         // only what this slot touched is reset after it)
