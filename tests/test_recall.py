@@ -223,26 +223,6 @@ def test_a_recall_with_a_held_draft_takes_the_decoded_tokens_attention_from_the_
     assert np.array_equal(a.recall.store.pos, b.recall.store.pos)
 
 
-def test_the_decoded_tokens_attention_is_written_in_place_as_it_would_be_handed_over(model):
-    """From the second decoded token on, the decode observer writes each token's attention straight into the
-    recall's buffer (rows_target); the floats are those handed over and copied (an instance told no target),
-    and the recall then decides the same."""
-    rc = {**RECALL, "every": 4096, "hold_draft": False}
-    a, b = (ek.EntroKVLlama(model, n_ctx=256, recall=rc, **SETTINGS) for _ in range(2))
-    b.recall.rows_target = lambda: None
-    outs, observe = [], a.recall.observe
-    a.recall.observe = lambda v: (outs.append(v.rows_out), observe(v))
-    for llm in (a, b):
-        llm.eval(prompt(500, 4))
-        decode(llm, 6)
-    n = a.recall.n_keep
-    assert outs == [0] + [n] * 5 and a.recall._att is not b.recall._att
-    for x, y in zip(a.recall.steps, b.recall.steps, strict=True):
-        assert x[1] == y[1] and np.array_equal(x[0], y[0]) and np.array_equal(x[2], y[2])
-    assert a.recall.step(a) == b.recall.step(b) > 0
-    assert np.array_equal(ek.true_positions(a), ek.true_positions(b))
-
-
 def test_steps_loaded_past_every_keep_their_attention_as_the_buffer_grows(model, tmp_path):
     """A session saved with more decoded steps than the loading instance's ``every``: the next step grows the
     steps' attention buffer, every step keeps its attention, and the recall uses the decode's."""

@@ -3,8 +3,7 @@ import numpy as np
 import pytest
 
 import entrokv_edge as ek
-from entrokv_edge.bindings.native import _api, context_pointer
-from entrokv_edge.bindings.observe import Observation, set_decode_rows_out
+from entrokv_edge.bindings.observe import Observation
 from helpers import feed, make_llm
 from reference import CapturingContext, reference_scores
 
@@ -122,87 +121,13 @@ def test_the_decode_observer_hands_over_the_decodes_own_attention(synth_models, 
     rng = np.random.default_rng(8)
     chunks = [rng.integers(3, 300, n) for n in (40, 1, 5, 1, 1, 12, 1)]
     check_decode_observer(synth_models["llama-r3"], chunks, fa, type_k=0, head_dim=32, tol=1e-5)
-    # one-token graphs of the query observer first: the decode observer's one-token graphs have as many nodes (the
+    # one-token graphs of the query observer first: the decode observer's one-token graphs have as many nodes (their
     # softmax is flagged as an output, no node added); its rows must still be the softmax's
     warm = [rng.integers(3, 300, n) for n in (30, 1, 1, 1)]
     check_decode_observer(synth_models["llama-r3"], [rng.integers(3, 300, 1) for _ in range(4)], fa, type_k=0,
                           head_dim=32, tol=1e-5, warm=warm)
     with pytest.raises(ValueError, match="decode observer"):
         Observation(None, 2, queries_only=True, rows=True)
-
-
-def decoded_rows(path, chunks, fa, dst_for=None):
-    """The decode observer's views over ubatches ``chunks``; ``dst_for(i, view_before)`` gives the destination
-    for ubatch i (or None), set before it is decoded and cleared after."""
-    cc = CapturingContext(path, flash_attn=fa, type_k=0)
-    views = []
-    try:
-        with Observation(cc.ctx, 1, handler=lambda v: views.append(v.copy()), keep_last=False, queries_only=True,
-                         rows=True):
-            for i, toks in enumerate(chunks):
-                dst = dst_for(i, views[-1] if views else None) if dst_for else None
-                if dst is not None:
-                    set_decode_rows_out(cc.ctx, dst)
-                cc.decode(toks)
-                set_decode_rows_out(cc.ctx, None)
-    finally:
-        cc.close()
-    return views
-
-
-@pytest.mark.parametrize("fa", [False, True], ids=["fa-off", "fa-on"])
-def test_the_decode_observer_writes_its_rows_where_it_is_told(synth_models, fa):
-    """set_decode_rows_out: the same floats as the rows handed over, at the strides given (a view into a larger
-    buffer: nothing else written), only where the ubatch's rows cover the cells asked for and its layers and
-    heads are the destination's; elsewhere, and with flash attention (no rows), handed over as before."""
-    rng = np.random.default_rng(9)
-    chunks = [rng.integers(3, 300, n) for n in (40, 1, 5, 1, 1, 12, 1, 1)]
-    plain = decoded_rows(synth_models["llama-r3"], chunks, fa)
-    L, H = len(plain[0].layer_ids), plain[0].queries.shape[2]
-    G = plain[0].n_head_kv
-    r = H // G
-    n_cols = [30, 41, 300, 47, 48, 60, 61, 62]   # the cache holds 40, 41, 46, 47, 48, 60, 61, 62 tokens in 256 cells
-    bufs = []
-
-    def dst_for(i, _):
-        if i == 7:                                      # layers that do not match: not written
-            bufs.append(np.full((L + 1, G, r + 1, 310), np.nan, np.float32))
-            return bufs[-1][:L + 1, :, :r, :n_cols[i]]
-        bufs.append(np.full((L, G + 1, r + 2, 310), np.nan, np.float32))
-        return bufs[-1][:, 1:, 1:r + 1, 3: 3 + n_cols[i]]
-    told = decoded_rows(synth_models["llama-r3"], chunks, fa, dst_for)
-    covered = [p.rows is not None and p.rows.shape[2] >= n for p, n in zip(plain, n_cols)]
-    assert not fa or not any(covered)
-    for i, (p, t, n, buf) in enumerate(zip(plain, told, n_cols, bufs)):
-        assert np.array_equal(p.queries, t.queries)
-        written = covered[i] and i != 7
-        assert t.rows_out == (n if written else 0) and p.rows_out == 0
-        if written:
-            assert t.rows is None
-            want = np.full_like(buf, np.nan)
-            want[:, 1:, 1:r + 1, 3: 3 + n] = p.rows[:, :, :n].reshape(L, G, r, n)
-            assert np.array_equal(buf, want, equal_nan=True), i          # bit for bit, and nothing else written
-        else:
-            assert np.all(np.isnan(buf)), i
-            assert (t.rows is None) == (p.rows is None) and (p.rows is None or np.array_equal(t.rows, p.rows))
-    assert fa or (sum(covered) == 7 and not covered[2])
-
-
-def test_a_rows_destination_is_refused_when_it_cannot_be_written(synth_models):
-    cc = CapturingContext(synth_models["llama-r3"], flash_attn=False, type_k=0)
-    try:
-        for bad in (np.zeros((2, 1, 3, 8), np.float64), np.zeros((2, 1, 3, 8), np.float32)[..., ::2],
-                    np.zeros((2, 1, 3, 0), np.float32), np.zeros((2, 3, 8), np.float32),
-                    np.zeros((2, 1, 3, 8), np.float32)[::-1]):
-            with pytest.raises(ValueError, match="destination"):
-                set_decode_rows_out(cc.ctx, bad)
-        ffi, lib = _api()
-        buf = ffi.new("float[64]")
-        for args in ((0, 3, 8, 24, 24, 8), (2, 3, 0, 24, 24, 8), (2, 3, 8, 24, 24, 7), (2, 3, 8, -1, 24, 8)):
-            assert lib.llama_entrokv_set_decode_rows_out(context_pointer(cc.ctx), buf, *args) == lib.LLAMA_ENTROKV_ERR_INVALID_ARG
-            assert b"decode rows destination" in ffi.string(lib.llama_entrokv_last_error())
-    finally:
-        cc.close()
 
 
 @pytest.mark.parametrize("model", ["smollm2", "qwen25"])

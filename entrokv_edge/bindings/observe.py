@@ -34,8 +34,6 @@ class WindowScores:
               window (a lookahead draft, removed again), as ``queries``
     rows      float32 [L, H, n_rows] or None: the decode observer's rows, the model's own attention of the
               ubatch's last token over cells 0..n_rows-1 (``Observation(..., rows=True)``)
-    rows_out  the cells of each row the decode observer wrote into the destination given to
-              ``set_decode_rows_out`` (rows is then None); 0: none written
     """
 
     scores: np.ndarray
@@ -47,7 +45,6 @@ class WindowScores:
     queries: np.ndarray | None = None
     draft_queries: np.ndarray | None = None
     rows: np.ndarray | None = None
-    rows_out: int = 0
 
     @property
     def n_head_kv(self) -> int:
@@ -63,7 +60,7 @@ class WindowScores:
                             self.layer_ids.copy(), self.window, self.n_tokens, self.pos_last,
                             None if self.queries is None else self.queries.copy(),
                             None if self.draft_queries is None else self.draft_queries.copy(),
-                            None if self.rows is None else self.rows.copy(), self.rows_out)
+                            None if self.rows is None else self.rows.copy())
 
 
 def head_slots(n_layers: int, n_head: int, n_head_kv: int) -> np.ndarray:
@@ -86,26 +83,7 @@ def _view(ffi, s) -> WindowScores:
     rows = None
     if s.n_rows > 0 and s.rows != ffi.NULL:
         rows = np.frombuffer(ffi.buffer(s.rows, L * H * s.n_rows * 4), dtype=np.float32).reshape(L, H, s.n_rows)
-    return WindowScores(scores, tpos, ids, s.window, s.n_tokens, s.pos_last, q, rows=rows, rows_out=s.rows_out)
-
-
-def set_decode_rows_out(llm, dst: np.ndarray | None) -> None:
-    """Where the decode observer writes each following observed token's rows instead of handing them over:
-    dst float32 [L, G, r, n] (observed layer, KV head, its query heads, cells; a view whose last axis is
-    contiguous), which the caller keeps alive while it is set. A token whose ubatch has L layers of G x r
-    heads and whose rows cover at least n cells gets its first n cells written there (``view.rows_out``
-    == n, ``view.rows`` None); others are handed over as before. None: no destination."""
-    ffi, lib = _api()
-    if dst is None:
-        _check(lib.llama_entrokv_set_decode_rows_out(context_pointer(llm), ffi.NULL, 0, 0, 0, 0, 0, 0))
-        return
-    if (not isinstance(dst, np.ndarray) or dst.dtype != np.float32 or dst.ndim != 4 or not dst.flags.writeable
-            or dst.strides[3] != 4 or any(x < 0 or x % 4 for x in dst.strides) or 0 in dst.shape):
-        raise ValueError("the rows' destination must be a writeable float32 array [layers, kv heads, heads per kv "
-                         "head, cells] with contiguous cells and positive strides")
-    L, G, r, n = dst.shape
-    _check(lib.llama_entrokv_set_decode_rows_out(context_pointer(llm), ffi.cast("float *", dst.ctypes.data), L, G * r, n,
-                                                 dst.strides[0] // 4, dst.strides[1] // 4, dst.strides[2] // 4))
+    return WindowScores(scores, tpos, ids, s.window, s.n_tokens, s.pos_last, q, rows=rows)
 
 
 class Observation:

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from ..bindings import EntroKVError, geometry, restore, set_last_logits, true_positions, used_cells
-from ..bindings.observe import Observation, WindowScores, head_slots, set_decode_rows_out
+from ..bindings.observe import Observation, WindowScores, head_slots
 from ..controller import EvictionConfig, EvictionResult, EvictionController
 from ..controller.config import EDGE_OPTIONS, OFF
 from ..controller.guide import guide_scores
@@ -553,14 +553,7 @@ class EntroKVLlama(llama_cpp.Llama):
                                            rows=True)
             self._recall_obs.llm = weakref.proxy(self)      # it stays with the instance: no cycle back to it
         self._recall_obs.start()
-        dst = self.recall.rows_target()         # the token's attention written straight where the recall keeps it
-        if dst is not None:
-            set_decode_rows_out(self, dst)
-        try:
-            super().eval(tokens)
-        finally:
-            if dst is not None:
-                set_decode_rows_out(self, None)
+        super().eval(tokens)
         self._recall_obs.raise_pending()
         if self.recall.due():
             self._timed_recall(self.recall.step, self)

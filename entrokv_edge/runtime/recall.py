@@ -377,8 +377,6 @@ class Recall:
         self.n_from_decode = 0                # decoding recalls on the decode's own attention (not computed again)
         self._keys = None                     # float32 [S, n_keep, d]: the compacted cells' keys, kept
         self._keys_pos = None                 # between recalls, and the true positions they were read for [S, n_keep]
-        self._heads = None                    # (observed layers, query heads) of the decode's views, once one came
-        self._target = None                   # (_att, step) the decode observer was told to write the next rows to
 
     @property
     def eviction(self):
@@ -404,7 +402,6 @@ class Recall:
         self.held = None
         self._keys = self._keys_pos = None    # compaction moves the cells
         self._att = None                      # and changes n_keep
-        self._target = None
         set_aside(llm, self.store, tp_now, cells, g)
 
     def reset(self) -> None:
@@ -413,7 +410,7 @@ class Recall:
         self.store, self.steps, self.n_keep, self.n_at_eviction = None, [], 0, 0
         self.held = None
         self._keys = self._keys_pos = None
-        self._att = self._target = None
+        self._att = None
 
     # --- sessions -------------------------------------------------------------------
 
@@ -477,45 +474,15 @@ class Recall:
 
     # --- generation -----------------------------------------------------------------
 
-    def rows_target(self) -> np.ndarray | None:
-        """Where the decode observer is to write the next decoded token's attention over the compacted cells
-        (``bindings.observe.set_decode_rows_out``): float32 [L, G, r, n_keep], that step's place in _att; None
-        where it would not be kept (see ``observe``) or no decoded token showed the heads yet."""
-        st, n, i = self.store, self.n_keep, len(self.steps)
-        if (self._heads is None or st is None or not n or st.type_k not in ("f32", "f16", "bf16")
-                or (i and self.steps[-1][2] is None)):
-            return None
-        L, H = self._heads
-        S = st.pos.shape[0]
-        if S % L or H % (S // L) or (i + 1) * L * H * n * 4 > ROWS_BYTES:
-            return None
-        r = H // (S // L)
-        att = self._att_for(i, 1, S, r, n)
-        if att is None:
-            return None
-        self._target = (att, i)
-        return att[:, i].reshape(L, S // L, r, n)
-
     def observe(self, view: WindowScores) -> None:
         """Inside llama_decode, for a decoded token (the decode observer): keep its queries, its position
-        and, where the decode handed them over (``view.rows``) or wrote them where ``rows_target`` said
-        (``view.rows_out``), its attention over the compacted cells. The
+        and, where the decode handed them over, its attention over the compacted cells (``view.rows``). The
         attention is kept while every step since the last recall has it, on a cache of floats (a quantized
         K rounds the decode's queries too coarsely for the log-sum-exp taken from it), and within
         ROWS_BYTES; otherwise the recall computes it."""
-        target, self._target = self._target, None
         if view.queries is None or self.n_keep == 0:
             return
-        self._heads = (view.queries.shape[0], view.queries.shape[2])
         rows, n = view.rows, self.n_keep
-        if view.rows_out:           # written into _att already, where rows_target said
-            ok = target is not None and target[0] is self._att and target[1] == len(self.steps) and view.rows_out == n
-            self.steps.append((view.queries[:, -1].copy(), int(view.pos_last), None))
-            if ok:
-                self.steps[:] = [(q, p, self._att[:, j]) for j, (q, p, _) in enumerate(self.steps)]
-            else:                   # not where this step's go (cannot happen): the recall computes them all
-                self.steps, self._att = [(q, p, None) for q, p, _ in self.steps], None
-            return
         had = bool(self.steps) and self.steps[-1][2] is not None        # the steps have it all, or none of them
         keep = (rows is not None and rows.shape[2] >= n and self.store is not None
                 and self.store.type_k in ("f32", "f16", "bf16") and (had or not self.steps)
@@ -527,37 +494,26 @@ class Recall:
         if keep:
             self._keep_rows(1, rows[:, :, None, :n], self.store.pos.shape[0])
 
-    def _att_for(self, i: int, m: int, S: int, r: int, n: int) -> np.ndarray | None:
-        """_att with room for steps i .. i + m - 1 of layout [S, ., r, n] (grown as needed, the first i steps'
-        rows moved over and their views with them); None where the first i steps' rows are of another
-        layout (then none of them keeps any)."""
-        att = self._att
-        if i and (att is None or att.shape[0] != S or att.shape[2:] != (r, n)):
-            self.steps = [(q, p, None) for q, p, _ in self.steps]
-            self._att = None
-            return None
-        if att is None or att.shape[0] != S or att.shape[2:] != (r, n) or att.shape[1] < i + m:
-            fit = max(1, ROWS_BYTES // (S * r * n * 4))          # steps whose attention is kept at most
-            old = 0 if att is None or att.shape[0] != S or att.shape[2:] != (r, n) else att.shape[1]
-            cap = max(i + m, min(max(self.config.every, 2 * old), fit))
-            new = np.empty((S, cap, r, n), np.float32)
-            if i:                   # the earlier steps' rows (each of them has its attention) move over
-                new[:, :i] = att[:, :i]
-                self.steps[:i] = [(q, p, new[:, j]) for j, (q, p, _) in enumerate(self.steps[:i])]
-            att = self._att = new
-        return att
-
     def _keep_rows(self, m: int, rows: np.ndarray, S: int) -> None:
         """The attention rows [L, H, m, n_keep] of the last m steps, written into _att (grown as needed) and
         given to those steps as views."""
         L, H, _, n = rows.shape
         r = H // (S // L)
         i = len(self.steps) - m
-        att = self._att_for(i, m, S, r, n)
-        if att is None:
+        att = self._att
+        if i and (att is None or att.shape[0] != S or att.shape[2:] != (r, n)):   # (the earlier steps' are not of
+            self.steps = [(q, p, None) for q, p, _ in self.steps]                 # this layout: none is kept)
+            self._att = None
             return
+        if att is None or att.shape[1] < i + m:
+            fit = max(1, ROWS_BYTES // (S * r * n * 4))          # steps whose attention is kept at most
+            cap = max(i + m, min(max(self.config.every, 2 * (0 if att is None else att.shape[1])), fit))
+            new = np.empty((S, cap, r, n), np.float32)
+            if i:                   # the earlier steps' rows (each of them has its attention) move over
+                new[:, :i] = att[:, :i]
+            att = self._att = new
         att[:, i: i + m] = rows.reshape(S, r, m, n).transpose(0, 2, 1, 3)
-        self.steps[:] = [(q, p, att[:, j]) for j, (q, p, _) in enumerate(self.steps)]
+        self.steps[:] = [(q, p, att[:, j]) for j, (q, p, _) in enumerate(self.steps)]   # all: the buffer may be new
 
     def due(self) -> bool:
         return self.store is not None and self.store.n_tokens > 0 and len(self.steps) >= self.config.every

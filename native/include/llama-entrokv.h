@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LLAMA_ENTROKV_API_VERSION 10
+#define LLAMA_ENTROKV_API_VERSION 9
 
 enum llama_entrokv_status {
     LLAMA_ENTROKV_OK                  =   0,
@@ -224,8 +224,6 @@ struct llama_entrokv_scores {
     const float   * rows;      // [n_layers][n_head][n_rows] or NULL: the decode observer's rows, the model's own
                                // attention of the ubatch's last token over cells 0..n_rows-1 (as the decode
                                // computed it: without flash attention and attention sinks only)
-    int32_t   rows_out;     // cells of each row written into the destination set with
-                            // llama_entrokv_set_decode_rows_out (then rows is NULL); 0: none written
 };
 
 // Called from inside llama_decode, once per observed ubatch, on the decoding thread. The
@@ -259,25 +257,6 @@ LLAMA_API int32_t llama_entrokv_set_decode_observer(
         struct llama_context * ctx,
         llama_entrokv_observer cb,
         void * user_data);
-
-// A destination for the decode observer's rows, written there (inside llama_decode) instead of
-// handed over (API 10): at each following observed ubatch of n_layers observed layers of n_head
-// query heads whose rows cover at least n_cols cells, the first n_cols cells of the row of layer l
-// (0 .. n_layers - 1) and query head h go to
-//   dst + l * ld_layer + (h / r) * ld_kv + (h % r) * ld_head          (floats; r = n_head / n_head_kv)
-// and the observer sees rows == NULL and rows_out == n_cols. Where the ubatch has other counts, its
-// rows cover fewer cells, or it has none, nothing is written and the rows are handed over as before
-// (rows_out 0). dst NULL: no destination. The buffer must stay valid and hold that layout while it is
-// set (its size is not known here); a count below 1, ld_head < n_cols, or a negative stride is refused.
-LLAMA_API int32_t llama_entrokv_set_decode_rows_out(
-        struct llama_context * ctx,
-        float * dst,
-        int32_t n_layers,
-        int32_t n_head,
-        int32_t n_cols,
-        int64_t ld_layer,
-        int64_t ld_kv,
-        int64_t ld_head);
 
 // The scores of the last observed ubatch (valid until the next observed ubatch or
 // llama_free). Returns LLAMA_ENTROKV_ERR_INVALID_ARG if nothing was observed yet.

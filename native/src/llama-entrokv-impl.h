@@ -99,8 +99,6 @@ struct llama_entrokv_access {
     static int32_t set_observer   (llama_context * ctx, int32_t window, bool queries_only, bool rows,
                                    void (*cb)(void *, const struct llama_entrokv_scores *), void * user_data);
     static int32_t last_scores    (llama_context * ctx, const struct llama_entrokv_scores ** out);
-    static int32_t set_rows_out   (llama_context * ctx, float * dst, int32_t n_layers, int32_t n_head, int32_t n_cols, int64_t ld_layer, int64_t ld_kv,
-                                   int64_t ld_head);
 };
 
 // called by the patched build_attn after the attention of an eligible layer: when the

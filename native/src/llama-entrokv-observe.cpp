@@ -112,15 +112,17 @@ void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_te
         g.res->t_entrokv_il.push_back(il);
     }
 
-    // the decode observer: the model's own attention of the ubatch's last token over the cache, copied into an
-    // output of its own. Only where a logit is q . k (no softcap, bias or ALiBi: what the queries are for) and the
+    // the decode observer: the model's own attention of the ubatch's last token over the cache, kept as an
+    // output. Only where a logit is q . k (no softcap, bias or ALiBi: what the queries are for) and the
     // rows are the attention over the cells alone (no sinks). Every graph of the observer has these nodes, the
     // reserved worst case too: a graph's allocation plan is reused for graphs of the same shape, so an output
     // that only some graphs flagged could be overwritten.
     if (rows && sinks == nullptr && out != nullptr && !g.hparams.attn_soft_cap && g.hparams.f_max_alibi_bias == 0.0f) {
         ggml_tensor * sm = attention_soft_max(out, n_kv, T, n_head);
         if (sm != nullptr) {
-            // one token: the softmax is the row [n_kv, 1, n_head] itself, kept as an output (no copy in the graph)
+            // one token: the softmax is the row [n_kv, 1, n_head] itself, kept as an output (no copy in the graph);
+            // a longer ubatch's last row is copied, and those copy nodes keep its graph's node count apart from a
+            // one-token graph's, so that neither runs on the other's allocation plan
             ggml_tensor * r = sm;
             if (T > 1) {
                 r = ggml_cont(ctx0, ggml_view_3d(ctx0, sm, n_kv, 1, n_head, sm->nb[1], sm->nb[2], (T - 1) * sm->nb[1]));
@@ -161,9 +163,6 @@ struct entrokv_observer_state {
     std::vector<float>   rows;
     std::vector<int32_t> true_pos;
     std::vector<int32_t> layer_ids;
-    float *              rows_dst  = nullptr;   // the decode observer's destination (set_rows_out), or NULL
-    int32_t              rows_layers = 0, rows_head = 0, rows_cols = 0;
-    int64_t              ld_layer = 0, ld_kv = 0, ld_head = 0;
     llama_entrokv_scores view {};
     bool                 have = false;
 };
@@ -212,33 +211,6 @@ int32_t llama_entrokv_access::set_observer(llama_context * ctx, int32_t window, 
         // a different graph topology: no reuse (graph params compare the window) and a new reservation
         ctx->sched_need_reserve = true;
     }
-    return llama_entrokv_ok();
-}
-
-int32_t llama_entrokv_access::set_rows_out(llama_context * ctx, float * dst, int32_t n_layers, int32_t n_head,
-        int32_t n_cols, int64_t ld_layer, int64_t ld_kv, int64_t ld_head) {
-    entrokv_target t;
-    if (int32_t rc = resolve(ctx, t)) {
-        return rc;
-    }
-    if (dst != nullptr && (n_layers < 1 || n_head < 1 || n_cols < 1 || ld_head < n_cols || ld_kv < 0 || ld_layer < 0)) {
-        return llama_entrokv_fail(LLAMA_ENTROKV_ERR_INVALID_ARG,
-                "decode rows destination: %d layers, %d heads, %d cells (each >= 1), ld_head %lld (>= the cells), "
-                "ld_kv %lld and ld_layer %lld (>= 0)", n_layers, n_head, n_cols, (long long) ld_head, (long long) ld_kv,
-                (long long) ld_layer);
-    }
-    std::lock_guard<std::mutex> lock(g_obs_mutex);
-    auto & st = g_obs[ctx];
-    if (!st) {
-        st = std::make_unique<entrokv_observer_state>();
-    }
-    st->rows_dst  = dst;
-    st->rows_layers = dst != nullptr ? n_layers : 0;
-    st->rows_head   = dst != nullptr ? n_head : 0;
-    st->rows_cols   = dst != nullptr ? n_cols : 0;
-    st->ld_layer  = ld_layer;
-    st->ld_kv     = ld_kv;
-    st->ld_head   = ld_head;
     return llama_entrokv_ok();
 }
 
@@ -315,25 +287,6 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
         GGML_ASSERT(ggml_nelements(tq[i]) == w * n_head * hd);
         get(tq[i], st->queries.data() + (size_t) i * w * n_head * hd);
     }
-    // the rows into the caller's destination when it is set and they cover its cells, else handed over
-    const int64_t n_kv_head = n_layers > 0 ? ns / n_layers : 0;
-    const bool    to_dst    = st->rows_dst != nullptr && n_rows >= st->rows_cols && n_layers == st->rows_layers &&
-            n_head == st->rows_head && n_kv_head > 0 && n_head % n_kv_head == 0;
-    const int64_t r         = to_dst ? n_head / n_kv_head : 0;
-    for (int32_t i = 0; to_dst && i < n_layers; ++i) {      // [n_kv, 1, n_head], contiguous: a head's row at h * nb[2]
-        ggml_backend_t be = ggml_backend_sched_get_tensor_backend(lctx.sched.get(), tr[i]);
-        for (int64_t h = 0; h < n_head; ++h) {
-            float * dst = st->rows_dst + i * st->ld_layer + (h / r) * st->ld_kv + (h % r) * st->ld_head;
-            if (be) {
-                ggml_backend_tensor_get_async(be, tr[i], dst, h * tr[i]->nb[2], (size_t) st->rows_cols * sizeof(float));
-            } else {
-                ggml_backend_tensor_get(tr[i], dst, h * tr[i]->nb[2], (size_t) st->rows_cols * sizeof(float));
-            }
-        }
-    }
-    if (to_dst) {
-        n_rows = 0;
-    }
     st->rows.resize((size_t) n_layers * n_head * n_rows);
     for (int32_t i = 0; n_rows > 0 && i < n_layers; ++i) {     // [n_kv, 1, n_head], contiguous
         get(tr[i], st->rows.data() + (size_t) i * n_head * n_rows);
@@ -359,7 +312,6 @@ void llama_entrokv_access::after_ubatch(llama_context & lctx, const llm_graph_re
     v.queries   = hd > 0 ? st->queries.data() : nullptr;
     v.n_rows    = (int32_t) n_rows;
     v.rows      = n_rows > 0 ? st->rows.data() : nullptr;
-    v.rows_out  = to_dst ? st->rows_cols : 0;
     st->have    = true;
 
     if (st->cb) {
@@ -379,11 +331,6 @@ int32_t llama_entrokv_set_query_observer(llama_context * ctx, int32_t window, ll
 
 int32_t llama_entrokv_set_decode_observer(llama_context * ctx, llama_entrokv_observer cb, void * user_data) {
     return llama_entrokv_access::set_observer(ctx, cb != nullptr ? 1 : 0, true, true, cb, user_data);
-}
-
-int32_t llama_entrokv_set_decode_rows_out(llama_context * ctx, float * dst, int32_t n_layers, int32_t n_head, int32_t n_cols,
-        int64_t ld_layer, int64_t ld_kv, int64_t ld_head) {
-    return llama_entrokv_access::set_rows_out(ctx, dst, n_layers, n_head, n_cols, ld_layer, ld_kv, ld_head);
 }
 
 int32_t llama_entrokv_last_scores(llama_context * ctx, const llama_entrokv_scores ** out) {
