@@ -677,9 +677,9 @@ def test_the_native_softmax_matches_numpys_in_place():
 
 def test_the_kernels_plain_paths_pass_the_same_checks():
     """With ENTROKV_NO_SIMD=1 the kernels take their plain C++ paths (what a CPU without AVX2, FMA or F16C
-    runs): the ranking, the softmax, the swap decision and F16 to float pass the same checks there. On a CPU with AVX2 the
-    softmax's sums then differ in their last bits from this process's (8 lanes summed apart): the plain
-    path did run."""
+    runs): the ranking, the softmax, the swap decision and F16 to float pass the same checks there. On a CPU
+    with AVX2 the softmax's sums then differ in their last bits from this process's (8 lanes summed apart):
+    the plain path did run."""
     import os
     import re
     import subprocess

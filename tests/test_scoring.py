@@ -80,11 +80,12 @@ def check_decode_observer(path, chunks, flash_attn, type_k, head_dim, tol, warm=
             keys[il] = np.concatenate([keys.get(il, np.zeros((0,) + kc.shape[1:], np.float32)), kc])
     try:
         P = 0
-        with Observation(cc.ctx, 1, keep_last=True, queries_only=True) as warm_obs:
-            for toks in warm:
-                cc.decode(toks)
-                P += len(toks)
-                add_keys(warm_obs.last.layer_ids)
+        if warm:
+            with Observation(cc.ctx, 1, keep_last=True, queries_only=True) as warm_obs:
+                for toks in warm:
+                    cc.decode(toks)
+                    P += len(toks)
+                    add_keys(warm_obs.last.layer_ids)
         with Observation(cc.ctx, 1, handler=lambda v: views.append(v.copy()), keep_last=False, queries_only=True,
                          rows=True) as obs:
             for toks in chunks:
