@@ -5,7 +5,7 @@
 // softcap, mask and sinks, softmax, then the mean over the w queries -> [n_kv, n_head].
 // The nodes run on whatever backend the scheduler assigns (the one holding the cache);
 // their temporaries are freed by the graph allocator once used, so only the [n_kv, n_head]
-// result of each layer stays. The decode observer computes no attention: it copies the softmax
+// result of each layer stays. The decode observer computes no attention: it keeps the softmax
 // the layer made anyway (flash attention off) for the ubatch's last token. After the ubatch,
 // llama_context hands the results to us; we copy them to one host buffer (the only
 // device-to-host copy), attach the true positions of every (layer, KV head) slot, and call the
@@ -114,8 +114,8 @@ void llama_entrokv_observe(const llm_graph_context & g, ggml_tensor * q, ggml_te
 
     // the decode observer: the model's own attention of the ubatch's last token over the cache, kept as an
     // output. Only where a logit is q . k (no softcap, bias or ALiBi: what the queries are for) and the
-    // rows are the attention over the cells alone (no sinks). Every graph of the observer has these nodes, the
-    // reserved worst case too: a graph's allocation plan is reused for graphs of the same shape, so an output
+    // rows are the attention over the cells alone (no sinks). Every graph of the observer has this output, the
+    // reserved worst case too: a graph's allocation plan is reused for graphs of the same node count, so an output
     // that only some graphs flagged could be overwritten.
     if (rows && sinks == nullptr && out != nullptr && !g.hparams.attn_soft_cap && g.hparams.f_max_alibi_bias == 0.0f) {
         ggml_tensor * sm = attention_soft_max(out, n_kv, T, n_head);
