@@ -135,6 +135,18 @@ independent 0.125 / 0.099; recall 0.132 / 0.037): it went on. Held out (commit 9
 cache's 7 / 18 / 17, SmolLM2 / Gemma 3 / Qwen2.5): recall (its recall-r4 rows) 1 / 15 / 16, recall-requery
 5 / 17 / 17 (6 / 17 / 17 right in all; questions won-lost 5-0, 2-0, 1-0): adopted, ``turn_requery`` is on by
 default since commit dad22e4, and the ``recall`` configuration includes it in rows from then on.
+
+Round 10 (the rule written before its rows): issue 23's decode goal on Qwen2.5 (1.5x the full cache's decode
+speed at 8k tokens) stood at 1.48-1.497x over session 49's runs, every part of a recall made as cheap as it
+could be without changing a decision. RecallConfig's research option ``late_every``: decoding recalls every
+``every`` (4) tokens through an answer's first ``turn_draft`` (16) tokens, the positions the turn's draft
+planned for and whose queries the decoding recalls hold; from there on every ``late_every`` tokens.
+recall-late8 against recall (the defaults, rerun at this commit for the pairs). It becomes the default only
+if all of: (1) the decode part on the three models (evicted, recall and recall-late8 interleaved) gives
+recall-late8 at least 1.5x the full cache's tok/s on every model; (2) the fidelity part gives it a mean KL
+below head-independent eviction's on every model and at most 10% above recall's on any; (3) the follow-up
+part's held-out split gives it, on each of the three models, no fewer right answers than recall. There is
+nothing to choose between candidates, so no tune split runs. If (1) fails, the round stops there.
 """
 from __future__ import annotations
 
@@ -169,7 +181,8 @@ CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, 
            "recall-turn128": {"turn_pages": 128}, "recall-draft8": {"turn_draft": 8},
            "recall-draft16": {"turn_draft": 16}, "recall-draft0": {"turn_draft": 0},
            "recall-every8": {"every": 8}, "recall-every16": {"every": 16}, "recall-hold": {"hold_draft": True},
-           "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False}}
+           "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False},
+           "recall-late8": {"late_every": 8}}
 # rounds 2, 4 and 5's options (turn_consensus; swap_floor; spread) were not adopted and left the code after
 # them: their configurations (recall-cmean/cmax; recall-floor1/4; recall-spread1/2) run from commit c2cb138;
 # round 8's (wait_draft: recall-wait) from commit 599d4fb
