@@ -263,8 +263,7 @@ def test_the_decoded_steps_attention_is_kept_within_its_bound(model, monkeypatch
 def test_recall_settings_are_checked(model):
     for bad in (dict(every=0), dict(pages=-1), dict(page_size=2.5), dict(nope=1), dict(directory="/no/such/dir"),
                 dict(turn_draft=-1), dict(turn_draft=65), dict(turn_draft=True),
-                dict(turn_pages=4097), dict(every=True), dict(hold_draft=1), dict(turn_requery=None),
-                dict(late_every=-1), dict(late_every=2.0)):
+                dict(turn_pages=4097), dict(every=True), dict(hold_draft=1), dict(turn_requery=None)):
         with pytest.raises((ValueError, TypeError)):
             ek.EntroKVLlama(model, n_ctx=256, recall=bad, **SETTINGS)
     with pytest.raises(TypeError):
@@ -331,38 +330,6 @@ def test_a_held_draft_joins_the_decoding_recalls_until_the_answer_passes_it(mode
     c = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6, "hold_draft": False}, **SETTINGS)
     c.load_session(tmp_path / "s.entrokv")                    # the option off: nothing held
     assert c.recall.held is None
-
-
-def test_late_every_spaces_the_decoding_recalls_past_the_answers_first_tokens(model, tmp_path):
-    """late_every: decoding recalls every ``every`` tokens through an answer's first ``turn_draft`` tokens
-    (counted from the eviction, or from a turn), then every ``late_every``; a session saved mid-answer
-    keeps where the answer began."""
-    rc = {**RECALL, "turn_draft": 6, "late_every": 4}
-
-    def recalled_at(llm, n):            # the decoded tokens (1..n) after which a recall ran
-        out = []
-        for t in range(1, n + 1):
-            before = llm.recall.n_recalls
-            decode(llm, 1)
-            if llm.recall.n_recalls > before:
-                out.append(t)
-        return out
-
-    llm = ek.EntroKVLlama(model, n_ctx=256, recall=rc, **SETTINGS)
-    llm.eval(prompt(200, 4))                                  # ends in its own eviction: the answer starts there
-    assert recalled_at(llm, 16) == [2, 4, 6, 10, 14]
-    llm.eval(prompt(10, 5))                                   # a turn: counted again from its answer
-    start = llm.n_tokens
-    assert llm.recall.answer_pos == start
-    assert recalled_at(llm, 7) == [2, 4, 6]
-    llm.save_session(tmp_path / "s.entrokv")
-    b = ek.EntroKVLlama(model, n_ctx=256, recall=rc, **SETTINGS)
-    b.load_session(tmp_path / "s.entrokv")
-    assert b.recall.answer_pos == start
-    assert recalled_at(llm, 7) == recalled_at(b, 7) == [3, 7]           # tokens 10 and 14 of the answer
-    plain = ek.EntroKVLlama(model, n_ctx=256, recall={**rc, "late_every": 0}, **SETTINGS)
-    plain.load_session(tmp_path / "s.entrokv")
-    assert recalled_at(plain, 7) == [1, 3, 5, 7]              # late_every 0: every 2 throughout
 
 
 def test_turn_requery_evaluates_the_window_again_on_the_recalled_cache(model):

@@ -452,8 +452,6 @@ class EntroKVLlama(llama_cpp.Llama):
                     self.recall_s += time.perf_counter() - t0
                 if self.recall.config.turn_draft:
                     self._turn_draft()
-        if self.recall and total > 1:           # what is decoded next is an answer (late_every counts from here)
-            self.recall.answer_pos = self.n_tokens
         self._turn_scores = None
 
     def _turn_draft(self) -> None:

@@ -53,7 +53,6 @@ class RecallConfig:
     turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
     hold_draft: bool = True               # decoding recalls also see the turn's draft queries not yet decoded
     turn_requery: bool = True             # the turn's window evaluated again after its recall, driving a second one
-    late_every: int = 0                   # research: past an answer's first turn_draft tokens, every late_every (0: every)
 
     def __post_init__(self):
         if self.directory is not None:
@@ -62,7 +61,7 @@ class RecallConfig:
                 raise ValueError(f"recall directory {d!r} is not a writable directory")
             object.__setattr__(self, "directory", d)
         for name, lo, hi in (("every", 1, 4096), ("pages", 1, 4096), ("page_size", 1, 4096),
-                             ("turn_pages", 1, 4096), ("turn_draft", 0, 64), ("late_every", 0, 4096)):
+                             ("turn_pages", 1, 4096), ("turn_draft", 0, 64)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"recall {name} must be an integer in {lo}..{hi}, got {v!r}")
@@ -375,8 +374,6 @@ class Recall:
         self.n_recalls = 0
         self.drafted = 0                      # tokens drafted at turns to drive a recall (turn_draft), then removed
         self.held: tuple | None = None        # hold_draft: the last turn's draft queries [L, k, H, d], positions [k]
-        self.answer_pos = 0                   # true position of the current answer's first token (late_every; set
-                                              # by the runtime after each prompt)
         self.n_from_decode = 0                # decoding recalls on the decode's own attention (not computed again)
         self._keys = None                     # float32 [S, n_keep, d]: the compacted cells' keys, kept
         self._keys_pos = None                 # between recalls, and the true positions they were read for [S, n_keep]
@@ -410,7 +407,7 @@ class Recall:
     def reset(self) -> None:
         if self.store is not None:
             self.store.close()
-        self.store, self.steps, self.n_keep, self.n_at_eviction, self.answer_pos = None, [], 0, 0, 0
+        self.store, self.steps, self.n_keep, self.n_at_eviction = None, [], 0, 0
         self.held = None
         self._keys = self._keys_pos = None
         self._att = None
@@ -427,7 +424,7 @@ class Recall:
         # the tokens observed since the last recall: a restored session recalls when this one would
         q = np.stack([x[0] for x in self.steps]) if self.steps else np.zeros(0, np.float32)
         out = {"recall_pos": st.pos.copy(), "recall_k": st.k.gather(si, e), "recall_v": st.v.gather(si, e),
-               "recall_info": np.array([self.n_keep, self.n_at_eviction, self.answer_pos], np.int64),
+               "recall_info": np.array([self.n_keep, self.n_at_eviction], np.int64),
                "recall_q": q, "recall_qpos": np.array([x[1] for x in self.steps], np.int64)}
         if self.steps and all(x[2] is not None for x in self.steps):      # their attention as the decode computed it
             L, H = q.shape[1], q.shape[2]
@@ -444,8 +441,6 @@ class Recall:
             return
         g = geometry(llm)
         pos, k, v, info = (np.asarray(a[x]) for x in ("recall_pos", "recall_k", "recall_v", "recall_info"))
-        if info.shape == (2,):          # saved before answer_pos was kept: the answer began at the eviction
-            info = np.append(info, info[1])
         q = np.asarray(a["recall_q"])
         qpos = np.asarray(a["recall_qpos"]) if "recall_qpos" in a else None     # None: saved by an older version
         n_steps = q.shape[0] if q.ndim == 4 and qpos is not None else 0
@@ -453,7 +448,7 @@ class Recall:
                         or qpos.max() > g.pos_max):
             raise ValueError("its recall store's observed steps do not fit this cache")
         rows = np.asarray(a["recall_rows"], np.float32) if "recall_rows" in a else None
-        if rows is not None and (rows.ndim != 4 or rows.shape[:3] != q.shape[:3] or info.shape != (3,)
+        if rows is not None and (rows.ndim != 4 or rows.shape[:3] != q.shape[:3] or info.shape != (2,)
                                  or rows.shape[3] != int(info[0])):
             raise ValueError("its recall store's observed attention does not fit this cache")
         held = None
@@ -464,13 +459,13 @@ class Recall:
         store = self._new_store(g)
         M = pos.shape[-1] if pos.ndim == 2 else -1
         if (pos.ndim != 2 or pos.shape[0] != g.n_slots or k.shape != (g.n_slots, M, store.k.width)
-                or v.shape != (g.n_slots, M, store.v.width) or info.shape != (3,) or int(info[0]) != g.n_compacted
-                or not 0 <= int(info[2]) <= g.pos_max + 1 or (M and (pos.min() < 0 or pos.max() > g.pos_max))):
+                or v.shape != (g.n_slots, M, store.v.width) or info.shape != (2,) or int(info[0]) != g.n_compacted
+                or (M and (pos.min() < 0 or pos.max() > g.pos_max))):
             store.close()
             raise ValueError("its recall store does not fit this cache")
         store.add(pos.astype(np.int32), np.ascontiguousarray(k, np.uint8), np.ascontiguousarray(v, np.uint8))
         self.store = store
-        self.n_keep, self.n_at_eviction, self.answer_pos = int(info[0]), int(info[1]), int(info[2])
+        self.n_keep, self.n_at_eviction = int(info[0]), int(info[1])
         self.steps = [(q[i], int(qpos[i]), None) for i in range(n_steps)]
         if rows is not None and n_steps:
             self._keep_rows(n_steps, rows.transpose(1, 2, 0, 3), g.n_slots)     # [L, H, steps, n_keep]
@@ -512,8 +507,7 @@ class Recall:
             return
         if att is None or att.shape[1] < i + m:
             fit = max(1, ROWS_BYTES // (S * r * n * 4))          # steps whose attention is kept at most
-            cap = max(i + m, min(max(self.config.every, self.config.late_every, 2 * (0 if att is None else att.shape[1])),
-                                 fit))
+            cap = max(i + m, min(max(self.config.every, 2 * (0 if att is None else att.shape[1])), fit))
             new = np.empty((S, cap, r, n), np.float32)
             if i:                   # the earlier steps' rows (each of them has its attention) move over
                 new[:, :i] = att[:, :i]
@@ -522,11 +516,7 @@ class Recall:
         self.steps[:] = [(q, p, att[:, j]) for j, (q, p, _) in enumerate(self.steps)]   # all: the buffer may be new
 
     def due(self) -> bool:
-        if self.store is None or not self.store.n_tokens or not self.steps:
-            return False
-        c = self.config
-        late = c.late_every and self.steps[-1][1] >= self.answer_pos + c.turn_draft
-        return len(self.steps) >= (c.late_every if late else c.every)
+        return self.store is not None and self.store.n_tokens > 0 and len(self.steps) >= self.config.every
 
     def step(self, llm) -> int:
         """One recall from the decoded tokens observed since the last; returns the tokens brought
