@@ -39,6 +39,25 @@ namespace {
 // side, as a cell-major loop would, are more than the prefetchers follow); acc holds r x MASS_BLOCK sums.
 constexpr int32_t MASS_BLOCK = 512;
 
+// one query row's share of a block, cells j0..nc-1: o[j] += (row[j] x a) x b
+inline void mass_row(const float * row, float a, float b, float * o, int32_t j0, int32_t nc) {
+    for (int32_t j = j0; j < nc; ++j) {
+        const float x = row[j] * a;
+        o[j] += x * b;
+    }
+}
+
+// a block's cells j0..nc-1: the largest of the r heads' sums (acc: r rows of MASS_BLOCK), into res
+inline void head_max(const float * acc, int32_t r, int32_t j0, int32_t nc, float * res) {
+    for (int32_t j = j0; j < nc; ++j) {
+        float best = acc[j];
+        for (int32_t h = 1; h < r; ++h) {
+            best = std::max(best, acc[(size_t) h * MASS_BLOCK + j]);
+        }
+        res[j] = best;
+    }
+}
+
 void resident_mass(const float * at, int64_t ld, const float * sc, const float * f, int32_t n_tok, int32_t r,
         int32_t n_keep, float * res, float * acc) {
     for (int32_t c0 = 0; c0 < n_keep; c0 += MASS_BLOCK) {
@@ -47,22 +66,10 @@ void resident_mass(const float * at, int64_t ld, const float * sc, const float *
         for (int32_t i = 0; i < n_tok; ++i) {
             for (int32_t h = 0; h < r; ++h) {
                 const int32_t q = i * r + h;
-                const float a = sc[q], b = f[q];
-                const float * row = at + (size_t) q * ld + c0;
-                float * o = acc + (size_t) h * MASS_BLOCK;
-                for (int32_t j = 0; j < nc; ++j) {
-                    const float x = row[j] * a;
-                    o[j] += x * b;
-                }
+                mass_row(at + (size_t) q * ld + c0, sc[q], f[q], acc + (size_t) h * MASS_BLOCK, 0, nc);
             }
         }
-        for (int32_t j = 0; j < nc; ++j) {
-            float best = acc[j];
-            for (int32_t h = 1; h < r; ++h) {
-                best = std::max(best, acc[(size_t) h * MASS_BLOCK + j]);
-            }
-            res[c0 + j] = best;
-        }
+        head_max(acc, r, 0, nc, res + c0);
     }
 }
 
@@ -85,10 +92,7 @@ __attribute__((target("avx"))) void resident_mass_avx(const float * at, int64_t 
                     const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(row + j), va);
                     _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(x, vb)));
                 }
-                for (; j < nc; ++j) {
-                    const float x = row[j] * a;
-                    o[j] += x * b;
-                }
+                mass_row(row, a, b, o, j, nc);
             }
         }
         int32_t j = 0;
@@ -99,13 +103,7 @@ __attribute__((target("avx"))) void resident_mass_avx(const float * at, int64_t 
             }
             _mm256_storeu_ps(res + c0 + j, best);
         }
-        for (; j < nc; ++j) {
-            float best = acc[j];
-            for (int32_t h = 1; h < r; ++h) {
-                best = std::max(best, acc[(size_t) h * MASS_BLOCK + j]);
-            }
-            res[c0 + j] = best;
-        }
+        head_max(acc, r, j, nc, res + c0);
     }
 }
 
