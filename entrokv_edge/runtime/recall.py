@@ -564,13 +564,16 @@ class Recall:
         g = self._ready(llm)
         if g is None:
             return 0
-        S, r, sl, hs = self._slots(g, queries.shape[2])
-        qt = np.asarray(queries).transpose(0, 2, 1, 3)                     # [L, H, I, d]
-        I, n = qt.shape[2], self.n_keep
+        L, I, H, d = queries.shape
+        S, r = g.n_slots, H // (g.n_slots // g.n_layers)
+        # per slot [S, I, r, d]: a slot's query heads are consecutive (slot l * G + j reads heads j * r .. j * r + r - 1)
+        qs = np.ascontiguousarray(np.asarray(queries, np.float32).reshape(L, I, H // r, r, d).transpose(0, 2, 1, 3, 4)
+                                  ).reshape(S, I, r, d)
+        n = self.n_keep
         tp = true_positions(llm)
         D, lse_dec = 0, None
         if att_dec is not None:
-            q_dec = np.ascontiguousarray(qt[sl, hs, : att_dec.shape[1]].transpose(0, 2, 1, 3), np.float32)  # [S, D, r, d]
+            q_dec = qs[:, : att_dec.shape[1]]                                 # [S, D, r, d]
             lse_dec = self._decoded_lse(llm, g, q_dec, att_dec, tp)
             if lse_dec is not None:
                 D = att_dec.shape[1]
@@ -601,7 +604,7 @@ class Recall:
 
         def inputs(ss):                 # _swap plans slots in contiguous runs a..b-1
             a, b = int(ss[0]), int(ss[-1]) + 1
-            q = np.ascontiguousarray(qt[sl[ss], hs[ss]].transpose(0, 2, 1, 3), np.float32)   # [s, I, r, d]
+            q = qs[a:b]                                                         # [s, I, r, d]
             logit = np.empty((b - a, I, r, n_all), np.float32)                  # the first D: the decode's attention
             lc = logit.reshape(b - a, I * r, n_all)[:, D * r:]                   # a view: the computed queries' logits
             q2 = q[:, D:].reshape(b - a, (I - D) * r, -1)
@@ -657,15 +660,6 @@ class Recall:
             return None
         g = geometry(llm)
         return g if g.n_compacted == self.n_keep else None
-
-    @staticmethod
-    def _slots(g, n_head: int):
-        """S, r and the index arrays that take [L, H]-shaped data to [S, r]: layer of each slot
-        ``sl`` [S, 1], its query heads ``hs`` [S, r]."""
-        G = g.n_slots // g.n_layers
-        r = n_head // G
-        s = np.arange(g.n_slots)
-        return g.n_slots, r, (s // G)[:, None], (s % G)[:, None] * r + np.arange(r)[None, :]
 
     def _swap(self, llm, g, tp: np.ndarray, inputs, n_queries: int, n_pages: int, held: int) -> int:
         """Plan every slot's swaps, a few slots at a time (their temporaries bounded by CHUNK_BYTES);
