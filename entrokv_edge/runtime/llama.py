@@ -481,7 +481,8 @@ class EntroKVLlama(llama_cpp.Llama):
             finally:
                 obs.stop()
             if steps:           # the recall sees the draft's cells too (causally, by true position)
-                moved = self.recall.turn(self, np.stack(steps, 1), n + len(steps) - 1, hold=True)
+                moved = self.recall.turn(self, np.stack(steps, 1), n + len(steps) - 1)
+                self.recall.hold(np.stack(steps, 1), n + len(steps) - 1)
                 self.recall.n_recalls += 1
                 self.recall.drafted += len(steps)
         except BaseException:

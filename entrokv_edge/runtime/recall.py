@@ -377,9 +377,6 @@ class Recall:
         self.n_from_decode = 0                # decoding recalls on the decode's own attention (not computed again)
         self._keys = None                     # float32 [S, n_keep, d]: the compacted cells' keys, kept
         self._keys_pos = None                 # between recalls, and the true positions they were read for [S, n_keep]
-        self._hlogit = None                   # (first row k0, float32 [S, k - k0, r, n_keep]): the held draft's logits
-        self._hq = None                       # over the compacted cells, computed at the turn and kept with _keys;
-                                              # its queries per slot [S, k, r, d]
 
     @property
     def eviction(self):
@@ -402,7 +399,7 @@ class Recall:
         if self.store is None:
             self.store = self._new_store(g)
         self.steps.clear()
-        self._drop_held()
+        self.held = None
         self._keys = self._keys_pos = None    # compaction moves the cells
         self._att = None                      # and changes n_keep
         set_aside(llm, self.store, tp_now, cells, g)
@@ -411,7 +408,7 @@ class Recall:
         if self.store is not None:
             self.store.close()
         self.store, self.steps, self.n_keep, self.n_at_eviction = None, [], 0, 0
-        self._drop_held()
+        self.held = None
         self._keys = self._keys_pos = None
         self._att = None
 
@@ -537,45 +534,33 @@ class Recall:
             ahead = hpos > qpos.max()
             if ahead.any():                # their attention is computed; the decoded steps keep theirs
                 q, qpos = np.concatenate([q, hq[:, ahead]], 1), np.concatenate([qpos, hpos[ahead]])
-                return self._exact(llm, q, qpos, self.config.pages, att, n_held=int(ahead.sum()))
-            self._drop_held()
+            else:
+                self.held = None
         return self._exact(llm, q, qpos, self.config.pages, att)
 
-    def _drop_held(self) -> None:
-        self.held = self._hlogit = self._hq = None
+    def hold(self, queries: np.ndarray, pos_last: int) -> None:
+        """hold_draft: keep a turn's draft queries (float32 [L, k, H, d], the last at ``pos_last``) for the
+        decoding recalls of the answer's first k tokens."""
+        if self.config.hold_draft:
+            k = queries.shape[1]
+            self.held = (queries, pos_last - k + 1 + np.arange(k))
 
-    def turn(self, llm, queries: np.ndarray, pos_last: int, hold: bool = False) -> int:
+    def turn(self, llm, queries: np.ndarray, pos_last: int) -> int:
         """A recall at a new turn, for its observed window's queries (float32 [L, w, H, d], the last
         at position ``pos_last``); ``turn_pages`` pages are offered per buffer. Returns the tokens
-        brought back. ``hold`` (a turn's draft, with hold_draft on): the queries are then held for the
-        decoding recalls of the answer's first w tokens, with their logits over the compacted cells from
-        the rows this recall computes on (those that a decoding recall can still need: from the
-        ``every``-th on), kept up to date by the swaps, so that those recalls need not compute them again."""
+        brought back."""
         self.steps.clear()
-        self._drop_held()
+        self.held = None
         if queries is None:
             return 0
         I = queries.shape[1]
-        qpos = pos_last - I + 1 + np.arange(I)
-        if not (hold and self.config.hold_draft):
-            return self._exact(llm, queries, qpos, self.config.turn_pages)
-        try:
-            moved = self._exact(llm, queries, qpos, self.config.turn_pages, keep_from=min(self.config.every, I - 1))
-        except BaseException:
-            self._drop_held()
-            raise
-        self.held = (queries, qpos)
-        return moved
+        return self._exact(llm, queries, pos_last - I + 1 + np.arange(I), self.config.turn_pages)
 
-    def _exact(self, llm, queries: np.ndarray, qpos: np.ndarray, n_pages: int, att_dec: np.ndarray | None = None,
-               n_held: int = 0, keep_from: int | None = None) -> int:
+    def _exact(self, llm, queries: np.ndarray, qpos: np.ndarray, n_pages: int, att_dec: np.ndarray | None = None) -> int:
         """A recall for queries float32 [L, I, H, d] at true positions qpos [I]: their attention over
         the cache, as the decode computed it for the first D queries (``att_dec`` float32 [S, D, r, n_keep],
         their attention over the compacted cells) and computed here exactly from every held key for the
-        others (causal by true position), then ``n_pages`` pages are offered per buffer. ``n_held``: the
-        last n_held queries are the held draft's last n_held, whose logits over the compacted cells are
-        taken from those kept where they are (``_hlogit``); ``keep_from`` (a turn's draft): keep the logits
-        of queries keep_from.. over the compacted cells as ``_hlogit``."""
+        others (causal by true position), then ``n_pages`` pages are offered per buffer."""
         g = self._ready(llm)
         if g is None:
             return 0
@@ -604,15 +589,6 @@ class Recall:
             cells = np.stack([np.flatnonzero(h) for h in held]).astype(np.int32)        # [S, held]: the same count
             held_pos = np.take_along_axis(tp, cells, 1)                              # compacted cells first
         resident = self._resident_keys(llm, g, tp)
-        kept = None                     # (first query, [S, n_held, r, n_keep]): the held draft's kept logits
-        if n_held and self._hlogit is not None and self.held is not None:
-            k0, hl = self._hlogit
-            first = self.held[0].shape[1] - n_held              # the held rows asked for: first.. of the draft
-            if first >= k0:
-                kept = (I - n_held, hl[:, first - k0:])
-        if keep_from is not None:
-            self._hq = qs
-            self._hlogit = (keep_from, np.empty((S, I - keep_from, r, n), np.float32))
         later = None                    # the keys of the cells written since the eviction: read now
         if cells.shape[1] > n:
             k, _ = read_cells(llm, list(cells[:, n:]), g, buffers=True, keys_only=True)
@@ -632,12 +608,7 @@ class Recall:
             logit = np.empty((b - a, I, r, n_all), np.float32)                  # the first D: the decode's attention
             lc = logit.reshape(b - a, I * r, n_all)[:, D * r:]                   # a view: the computed queries' logits
             q2 = q[:, D:].reshape(b - a, (I - D) * r, -1)
-            m = (I if kept is None else kept[0]) - D            # the rows computed here (the rest: kept)
-            np.matmul(q2[:, : m * r], resident[a:b].transpose(0, 2, 1), out=lc[:, : m * r, :n])
-            if kept is not None:
-                logit[:, kept[0]:, :, :n] = kept[1][a:b]
-            if keep_from is not None:
-                self._hlogit[1][a:b] = logit[:, keep_from:, :, :n]
+            np.matmul(q2, resident[a:b].transpose(0, 2, 1), out=lc[..., :n])
             if later is not None:
                 np.matmul(q2, later[a:b].transpose(0, 2, 1), out=lc[..., n:])
             lc = logit[:, D:]
@@ -680,7 +651,6 @@ class Recall:
             k = k.reshape(g.n_slots, self.n_keep, -1)
             self._keys = self.store.keys(k)
             self._keys_pos = now.copy()
-            self._hlogit = self._hq = None          # kept only along with the keys they were computed from
         return self._keys
 
     def _ready(self, llm):
@@ -726,13 +696,6 @@ class Recall:
         kf_out = st.keys(out_k)                          # the displaced keys as floats [n, d] (as _keys holds them)
         at = cs * self.n_keep + cc                       # the resident keys follow the swap (a flat row index)
         self._keys.reshape(-1, st.head_dim)[at], self._keys_pos.reshape(-1)[at] = kf_old, pos_in
-        if self._hlogit is not None:     # the held draft's kept logits follow too: the columns of the cells written
-            k0, hl = self._hlogit
-            qh = self._hq[:, k0:].reshape(g.n_slots, -1, st.head_dim)            # [S, rows, d]
-            ends = np.cumsum([c.size for c in cells])
-            for s, c in enumerate(cells):
-                if c.size:
-                    hl[s][..., c] = np.matmul(qh[s], kf_old[ends[s] - c.size: ends[s]].T).reshape(hl.shape[1:3] + (-1,))
         st.replace(si, e, tp[cs, cc], out_k, out_v, kf_old, kf_out)
         self.recalled += int(si.size)
         return int(si.size)
