@@ -565,9 +565,10 @@ class Recall:
         if g is None:
             return 0
         L, I, H, d = queries.shape
-        S, r = g.n_slots, H // (g.n_slots // g.n_layers)
+        S, G = g.n_slots, g.n_slots // g.n_layers
+        r = H // G
         # per slot [S, I, r, d]: a slot's query heads are consecutive (slot l * G + j reads heads j * r .. j * r + r - 1)
-        qs = np.ascontiguousarray(np.asarray(queries, np.float32).reshape(L, I, H // r, r, d).transpose(0, 2, 1, 3, 4)
+        qs = np.ascontiguousarray(np.asarray(queries, np.float32).reshape(L, I, G, r, d).transpose(0, 2, 1, 3, 4)
                                   ).reshape(S, I, r, d)
         n = self.n_keep
         tp = true_positions(llm)
