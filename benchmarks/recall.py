@@ -152,6 +152,18 @@ head-independent / recall / recall-late8 0.106 / 0.096 / 0.109 on SmolLM2 (late8
 prompts, higher on 7) and 0.141 / 0.036 / 0.042 on Gemma 3 (2 lower, 10 higher). recall-late8 is 14% and 17%
 above recall, and above head-independent eviction on SmolLM2: (2) fails, the round stops (the decode and
 follow-up parts did not run), and the option left the code again (bea38cb holds it).
+
+Round 11 (the rule written before its rows): round 9's requery lets the question's deeper layers see what the
+turn's first recall brought back, but not what its second recall brings. RecallConfig's ``turn_requery`` becomes
+a count k: after each of the turn's recalls that moves tokens, up to k times, the turn's window is evaluated
+again on the recalled cache and its new queries drive one more recall (then the draft, as before; k = 1 is
+round 9's behaviour). recall-requery2 (k = 2) against recall (the defaults, rerun at this commit for the pairs),
+on the follow-up part's tune split and the fidelity part, SmolLM2 and Gemma 3. It goes on to the held-out split
+(three models) only if it has more right answers than recall over both models on the tune split, loses no
+model there, and keeps the fidelity mean KL below head-independent eviction's on both; it is adopted only if
+the held-out split gives it more right answers over the three models and no model fewer. Its cost is reported
+from the follow-up rows (the recall's seconds per later question). The decode part does not change (a prompt
+that ends in its own eviction has no requery).
 """
 from __future__ import annotations
 
@@ -186,7 +198,8 @@ CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, 
            "recall-turn128": {"turn_pages": 128}, "recall-draft8": {"turn_draft": 8},
            "recall-draft16": {"turn_draft": 16}, "recall-draft0": {"turn_draft": 0},
            "recall-every8": {"every": 8}, "recall-every16": {"every": 16}, "recall-hold": {"hold_draft": True},
-           "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False}}
+           "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False},
+           "recall-requery2": {"turn_requery": 2}}
 # rounds 2, 4 and 5's options (turn_consensus; swap_floor; spread) were not adopted and left the code after
 # them: their configurations (recall-cmean/cmax; recall-floor1/4; recall-spread1/2) run from commit c2cb138;
 # round 8's (wait_draft: recall-wait) from commit 599d4fb; round 10's (late_every: recall-late8) from commit bea38cb
