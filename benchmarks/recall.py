@@ -164,6 +164,14 @@ model there, and keeps the fidelity mean KL below head-independent eviction's on
 the held-out split gives it more right answers over the three models and no model fewer. Its cost is reported
 from the follow-up rows (the recall's seconds per later question). The decode part does not change (a prompt
 that ends in its own eviction has no requery).
+Its rows (commit db9131a, this AVX-512 build, one thread): tune, right answers of 18 (SmolLM2 / Gemma 3), full
+9 / 15, recall 4 / 15, recall-requery2 5 / 15 (SmolLM2 1-0, Gemma 3 0-0); fidelity mean KL head-independent /
+recall / recall-requery2 0.106 / 0.096 / 0.104 on SmolLM2 and 0.141 / 0.036 / 0.034 on Gemma 3: it went on.
+Held out (right of the full cache's 8 / 18 / 17, SmolLM2 / Gemma 3 / Qwen2.5): recall 5 / 17 / 17, recall-
+requery2 4 / 18 / 17 (6 / 17 / 17 and 5 / 18 / 17 right in all; questions won-lost 0-1, 1-0, 0-0): the same
+number over the three models and SmolLM2 one fewer. Not adopted; the option left the code again (db9131a holds
+it). Its cost: the recall's seconds per later question, median, 1.75 against 2.12 on SmolLM2 and 0.81 against
+1.01 on Gemma 3 (tune).
 """
 from __future__ import annotations
 
@@ -198,11 +206,11 @@ CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, 
            "recall-turn128": {"turn_pages": 128}, "recall-draft8": {"turn_draft": 8},
            "recall-draft16": {"turn_draft": 16}, "recall-draft0": {"turn_draft": 0},
            "recall-every8": {"every": 8}, "recall-every16": {"every": 16}, "recall-hold": {"hold_draft": True},
-           "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False},
-           "recall-requery2": {"turn_requery": 2}}
+           "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False}}
 # rounds 2, 4 and 5's options (turn_consensus; swap_floor; spread) were not adopted and left the code after
 # them: their configurations (recall-cmean/cmax; recall-floor1/4; recall-spread1/2) run from commit c2cb138;
-# round 8's (wait_draft: recall-wait) from commit 599d4fb; round 10's (late_every: recall-late8) from commit bea38cb
+# round 8's (wait_draft: recall-wait) from commit 599d4fb; round 10's (late_every: recall-late8) from commit bea38cb;
+# round 11's (turn_requery = 2: recall-requery2) from commit db9131a
 
 
 def _runtime(model: str, n_ctx: int, recall):

@@ -366,40 +366,6 @@ def test_turn_requery_evaluates_the_window_again_on_the_recalled_cache(model):
     assert off.kv_report()["recall"]["recalls"] == before + 1
 
 
-def test_turn_requery_counts_the_evaluations_again(model):
-    """turn_requery = k: after each of the turn's recalls that moves tokens, up to k times, the window is
-    evaluated again and its queries recall once more; True is 1, False 0; a recall that moves nothing ends it."""
-    from entrokv_edge.runtime import recall as R
-    assert RecallConfig(turn_requery=True).turn_requery == 1 and RecallConfig(turn_requery=False).turn_requery == 0
-    for bad in (-1, 5, 1.0, "2"):
-        with pytest.raises(ValueError):
-            RecallConfig(turn_requery=bad)
-    turn = prompt(10, 5)
-    for k in (2, 3):
-        llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 0, "turn_requery": k}, **SETTINGS)
-        llm.eval(prompt(200, 4))
-        decode(llm, 5)
-        n0, recalls = llm.n_tokens, llm.kv_report()["recall"]["recalls"]
-        moved = []
-        exact = R.Recall._exact
-        R.Recall._exact = lambda self, l, q, qpos, N: (moved.append(exact(self, l, q, qpos, N)), moved[-1])[1]
-        try:
-            llm.eval(turn)
-        finally:
-            R.Recall._exact = exact
-        # one recall, then one more per evaluation again while the last one moved tokens, at most k of them
-        expect = 1 + next((i for i, m in enumerate(moved[:k]) if not m), k)
-        assert len(moved) == expect and moved[0] > 0 and llm.kv_report()["recall"]["recalls"] == recalls + expect
-        assert llm.n_tokens == n0 + 10
-        assert_each_position_once(llm, n0 + 10)
-        if moved[-1]:               # the last token evaluated once more on the cache as finally recalled
-            assert last_logits_are_fresh(llm, turn[-1])
-        else:                       # the window's last evaluation saw the cache as it is: the same up to rounding
-            seen = logits(llm).copy()
-            last_logits_are_fresh(llm, turn[-1])         # leaves the oracle's logits (one token evaluated again)
-            assert np.allclose(seen, logits(llm), rtol=1e-3, atol=1e-3)
-
-
 def test_a_failed_requery_puts_the_turns_window_back(model):
     """If the window's re-evaluation fails, the error reaches the caller and the window is in the cache
     again (evaluated once more, unobserved): no token of the turn is lost."""

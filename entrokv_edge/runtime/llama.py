@@ -443,13 +443,9 @@ class EntroKVLlama(llama_cpp.Llama):
             if ws is not None and ws.queries is not None and ws.pos_last == self.n_tokens - 1:
                 self._turn_scores = None
                 moved = self._timed_recall(self.recall.turn, self, ws.queries, ws.pos_last)
-                for _ in range(self.recall.config.turn_requery if moved else 0):
-                    again = self._requery(ws.queries.shape[1])      # the window evaluated on the recalled cache
-                    if again is None:
-                        break
-                    moved = again           # moved since the window's last token was evaluated
-                    if not moved:
-                        break
+                if moved and self.recall.config.turn_requery:
+                    again = self._requery(ws.queries.shape[1])
+                    moved = moved if again is None else again
                 if moved:       # the answer's first token must come from the cache as recalled
                     t0 = time.perf_counter()
                     self._refresh_last()

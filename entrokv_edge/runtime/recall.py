@@ -52,8 +52,7 @@ class RecallConfig:
     turn_pages: int = 128
     turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
     hold_draft: bool = True               # decoding recalls also see the turn's draft queries not yet decoded
-    turn_requery: int = 1                 # times the turn's window is evaluated again after a recall that moved
-                                          # tokens, its new queries driving one more recall (True: 1, False: 0)
+    turn_requery: bool = True             # the turn's window evaluated again after its recall, driving a second one
 
     def __post_init__(self):
         if self.directory is not None:
@@ -61,15 +60,14 @@ class RecallConfig:
             if not os.path.isdir(d) or not os.access(d, os.W_OK):
                 raise ValueError(f"recall directory {d!r} is not a writable directory")
             object.__setattr__(self, "directory", d)
-        if isinstance(self.turn_requery, bool):
-            object.__setattr__(self, "turn_requery", int(self.turn_requery))
         for name, lo, hi in (("every", 1, 4096), ("pages", 1, 4096), ("page_size", 1, 4096),
-                             ("turn_pages", 1, 4096), ("turn_draft", 0, 64), ("turn_requery", 0, 4)):
+                             ("turn_pages", 1, 4096), ("turn_draft", 0, 64)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"recall {name} must be an integer in {lo}..{hi}, got {v!r}")
-        if not isinstance(self.hold_draft, bool):
-            raise ValueError(f"recall hold_draft must be True or False, got {self.hold_draft!r}")
+        for name in ("hold_draft", "turn_requery"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"recall {name} must be True or False, got {getattr(self, name)!r}")
 
 
 def recall_config(value) -> RecallConfig | None:
