@@ -170,8 +170,9 @@ recall / recall-requery2 0.106 / 0.096 / 0.104 on SmolLM2 and 0.141 / 0.036 / 0.
 Held out (right of the full cache's 8 / 18 / 17, SmolLM2 / Gemma 3 / Qwen2.5): recall 5 / 17 / 17, recall-
 requery2 4 / 18 / 17 (6 / 17 / 17 and 5 / 18 / 17 right in all; questions won-lost 0-1, 1-0, 0-0): the same
 number over the three models and SmolLM2 one fewer. Not adopted; the option left the code again (db9131a holds
-it). Its cost: the recall's seconds per later question, median, 1.75 against 2.12 on SmolLM2 and 0.81 against
-1.01 on Gemma 3 (tune).
+it). Its cost: the recall's seconds per later question, median, recall-requery2 against recall, 2.12 against
+1.75 on SmolLM2 and 1.01 against 0.81 on Gemma 3 (tune); held out 2.10 / 1.47, 0.63 / 0.51 and 2.53 / 1.85
+(SmolLM2 / Gemma 3 / Qwen2.5).
 """
 from __future__ import annotations
 
