@@ -173,6 +173,17 @@ number over the three models and SmolLM2 one fewer. Not adopted; the option left
 it). Its cost: the recall's seconds per later question, median, recall-requery2 against recall, 2.12 against
 1.75 on SmolLM2 and 1.01 against 0.81 on Gemma 3 (tune); held out 2.10 / 1.47, 0.63 / 0.51 and 2.53 / 1.85
 (SmolLM2 / Gemma 3 / Qwen2.5).
+
+Round 12 (the rule written before its rows): in several of SmolLM2's lost follow-up answers the number starts
+right and loses its tail, and in two tune cases the number straddles two 16-position store pages
+(docs/research.md, round 11). recall-page32: store pages of 32 true positions, with half the pages offered
+(pages 4, turn_pages 64), so that a recall reads as many tokens as the defaults. Against recall's rows of
+round 11 (commit db9131a, whose recall code path is this commit's), on the follow-up part's tune split and the
+fidelity part, SmolLM2 and Gemma 3. It goes on to the held-out split (three models) only if it has more right
+answers than recall over both models on the tune split, loses no model there, and keeps the fidelity mean KL
+below head-independent eviction's on both; it is adopted only if the held-out split gives it more right answers
+over the three models and no model fewer, and the decode part on Qwen2.5 (evicted, recall and recall-page32
+interleaved) gives it at least recall's tok/s less 2%.
 """
 from __future__ import annotations
 
@@ -207,7 +218,8 @@ CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, 
            "recall-turn128": {"turn_pages": 128}, "recall-draft8": {"turn_draft": 8},
            "recall-draft16": {"turn_draft": 16}, "recall-draft0": {"turn_draft": 0},
            "recall-every8": {"every": 8}, "recall-every16": {"every": 16}, "recall-hold": {"hold_draft": True},
-           "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False}}
+           "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False},
+           "recall-page32": {"page_size": 32, "pages": 4, "turn_pages": 64}}
 # rounds 2, 4 and 5's options (turn_consensus; swap_floor; spread) were not adopted and left the code after
 # them: their configurations (recall-cmean/cmax; recall-floor1/4; recall-spread1/2) run from commit c2cb138;
 # round 8's (wait_draft: recall-wait) from commit 599d4fb; round 10's (late_every: recall-late8) from commit bea38cb;
