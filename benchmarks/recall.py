@@ -184,6 +184,13 @@ answers than recall over both models on the tune split, loses no model there, an
 below head-independent eviction's on both; it is adopted only if the held-out split gives it more right answers
 over the three models and no model fewer, and the decode part on Qwen2.5 (evicted, recall and recall-page32
 interleaved) gives it at least recall's tok/s less 2%.
+Its rows (commit d81ede1, one thread, two or three processes at a time): tune, right answers of 18 (SmolLM2 /
+Gemma 3), recall-page32 5 / 18 against recall 4 / 15 (questions won-lost 1-0, 3-0; Gemma 3's three more are
+questions the full cache gets wrong); fidelity mean KL 0.102 on SmolLM2 and 0.061 on Gemma 3 (head-independent
+0.106 / 0.141; recall 0.096 / 0.036; lower than recall on 5 and 4 of 12 prompts): it went on. Held out (right of
+the full cache's 8 / 18 / 17): recall 5 / 17 / 17, recall-page32 4 / 18 / 17 (4 / 18 / 17 right in all against
+6 / 17 / 17; questions won-lost 0-2, 1-0, 0-0): fewer over the three models and SmolLM2 two fewer. Not adopted;
+the decode part did not run. The configuration stays (it sets existing options only).
 """
 from __future__ import annotations
 
