@@ -1,0 +1,125 @@
+"""An oracle for the questions SmolLM2 loses: the facts asked about pinned resident in every group buffer.
+
+Each fact's sentence (recall.py's follow-up documents: all three facts; long_prompt.py's needle prompts: the
+needle) is added to the pages every eviction keeps (``EvictionConfig.protected``, patched in this process
+only) from the moment it has been read, so every (layer, KV group) buffer holds it after every eviction, and
+no recall swap displaces it (the recall's swaps spare protected pages too). The budget is unchanged: the
+pinned pages take the place of other pages. With ``--pin facts+head`` the chat template's head (the tokens
+before the document) is pinned too (needle prompts only).
+
+If a question is still lost with its fact resident in every buffer, no choice of which pages hold the fact
+can win it back at that budget; if it is won, the selection (eviction or recall) is what loses it.
+
+    python benchmarks/research/pinned_oracle.py followup [recall.py's arguments]
+    python benchmarks/research/pinned_oracle.py needle [--pin facts|facts+head] [long_prompt.py's arguments]
+
+``followup`` adds recall.py configurations "evicted-pinned" (no recall) and "recall-pinned" (the recall's
+defaults); ``needle`` adds long_prompt.py's "guided-pinned" / "guided-pinned-head" (the defaults), and the
+split "heldout-55-95" (the held-out split's prompts at depths 55 and 95: the same kinds, seeds and offset).
+A pin is found by the fact's sentence tokens (its first and last left out: they may merge with the text
+around them) in the runtime's own tokens, and is logged ("pin ... at POSITION"). Give ``--out``: rows are
+written in those scripts' formats.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from entrokv_edge.controller.config import EvictionConfig  # noqa: E402
+
+PIN = {"llm": None, "seqs": [], "head": 0, "at": {}}
+_protected = EvictionConfig.protected
+
+
+def _find(ids: np.ndarray, seq: list[int]) -> int | None:
+    m = len(seq)
+    if m == 0 or len(ids) < m:
+        return None
+    for i in np.flatnonzero(ids[: len(ids) - m + 1] == seq[0]):
+        if list(ids[i: i + m]) == seq:
+            return int(i)
+    return None
+
+
+def protected(self, n: int) -> list[int]:
+    """The pages every group keeps, plus the pinned facts' (and the head's) pages read so far."""
+    out = set(_protected(self, n))
+    llm = PIN["llm"]
+    if llm is None:
+        return sorted(out)
+    P, n_pages = self.page_size, self.n_pages(n)
+    spans = [(0, min(PIN["head"], n))] if PIN["head"] else []
+    ids = None
+    for seq in PIN["seqs"]:
+        key = (id(llm), tuple(seq))
+        at = PIN["at"].get(key)
+        if at is None:
+            ids = np.asarray(llm.input_ids[:n]) if ids is None else ids
+            at = _find(ids, seq)
+            if at is None:
+                continue            # not read yet
+            PIN["at"][key] = at
+            print(f"pin at {at}: {len(seq) + 2} tokens", flush=True)
+        spans.append((max(at - 1, 0), min(at + len(seq) + 1, n)))
+    for lo, hi in spans:
+        out |= {p for p in range(lo // P, (hi - 1) // P + 1) if p < n_pages} if hi > lo else set()
+    return sorted(out)
+
+
+def followup(argv: list[str]) -> int:
+    import recall as B
+    _doc, _init = B.document, B.Chat.__init__
+
+    def document(llm, i, length, split="tune"):
+        text, facts = _doc(llm, i, length, split)
+        _, seed = B.SPLITS[split]
+        kinds = list(B.NE.NEEDLES)          # the facts as document() draws them
+        needles = [B.NE.fact(kinds[(3 * i + j + seed) % len(kinds)], seed + 1000 * i + j)[0] for j in range(3)]
+        PIN["seqs"], PIN["at"] = [B.H.text_tokens(llm, s)[1:-1] for s in needles], {}
+        return text, facts
+
+    def chat_init(self, llm):
+        _init(self, llm)
+        PIN["llm"] = llm        # the runtime whose chat runs now: its own tokens are searched
+
+    B.document, B.Chat.__init__ = document, chat_init
+    B.CONFIGS["evicted-pinned"], B.CONFIGS["recall-pinned"] = False, True
+    return B.main(argv)
+
+
+def needle(argv: list[str]) -> int:
+    import long_prompt as LP
+    head = "--pin" in argv and argv[argv.index("--pin") + 1] == "facts+head"
+    if "--pin" in argv:
+        i = argv.index("--pin")
+        if argv[i + 1] not in ("facts", "facts+head"):
+            sys.exit("--pin: facts or facts+head")
+        del argv[i: i + 2]
+    _mp, _read = LP.magic_prompt, LP._read
+
+    def magic_prompt(llm, length, depth, offset, seed, kind="magic", question_first=False):
+        p, number = _mp(llm, length, depth, offset, seed, kind=kind, question_first=question_first)
+        PIN["seqs"] = [[int(t) for t in np.asarray(p.tokens)[p.needle][1:-1]]]
+        PIN["head"] = len(LP.H.chat_parts(llm, "" if question_first else p.meta["question"], system=False)[0]) \
+            if head else 0
+        return p, number
+
+    def read(llm, *a, **k):
+        PIN["llm"], PIN["at"] = llm, {}
+        return _read(llm, *a, **k)
+
+    LP.magic_prompt, LP._read = magic_prompt, read
+    LP.SPLITS["heldout-55-95"] = dict(LP.SPLITS["heldout"], kinds=["gate", "safe"], depths=[55, 95])
+    LP.CONFIGS["guided-pinned-head" if head else "guided-pinned"] = dict()
+    return LP.main(argv)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in ("followup", "needle"):
+        sys.exit(__doc__)
+    EvictionConfig.protected = protected
+    sys.exit(followup(sys.argv[2:]) if sys.argv[1] == "followup" else needle(sys.argv[2:]))
