@@ -44,7 +44,7 @@ def test_a_pinned_sentence_stays_in_every_buffer(synth_models):
         finally:
             EvictionConfig.protected = PO._protected
             PO.PIN.update(llm=None, seqs=[], at={})
-        llm.close()
+            llm.close()
     assert held[True].all(), held[True]
     assert not held[False].all()                      # the pin is what keeps it: unpinned, some buffer drops it
     assert kept[True] == kept[False]                  # the same budget

@@ -13,8 +13,9 @@ can win it back at that budget; if it is won, the selection (eviction or recall)
     python benchmarks/research/pinned_oracle.py followup [recall.py's arguments]
     python benchmarks/research/pinned_oracle.py needle [--pin facts|facts+head] [long_prompt.py's arguments]
 
-``followup`` adds recall.py configurations "evicted-pinned" (no recall) and "recall-pinned" (the recall's
-defaults); ``needle`` adds long_prompt.py's "guided-pinned" / "guided-pinned-head" (the defaults), and the
+The pin holds for every runtime of the process, so ``--configs`` must name pinned configurations only (the
+full cache's rows come with every run). ``followup`` adds recall.py configurations "evicted-pinned" (no
+recall) and "recall-pinned" (the recall's defaults); ``needle`` adds long_prompt.py's "guided-pinned" / "guided-pinned-head" (the defaults), and the
 split "heldout-55-95" (the held-out split's prompts at depths 55 and 95: the same kinds, seeds and offset).
 A pin is found by the fact's sentence tokens (its first and last left out: they may merge with the text
 around them) in the runtime's own tokens, and is logged ("pin ... at POSITION"). Give ``--out``: rows are
@@ -93,11 +94,12 @@ def followup(argv: list[str]) -> int:
 
 def needle(argv: list[str]) -> int:
     import long_prompt as LP
-    head = "--pin" in argv and argv[argv.index("--pin") + 1] == "facts+head"
+    head = False
     if "--pin" in argv:
         i = argv.index("--pin")
-        if argv[i + 1] not in ("facts", "facts+head"):
+        if i + 1 >= len(argv) or argv[i + 1] not in ("facts", "facts+head"):
             sys.exit("--pin: facts or facts+head")
+        head = argv[i + 1] == "facts+head"
         del argv[i: i + 2]
     _mp, _read = LP.magic_prompt, LP._read
 
@@ -118,8 +120,24 @@ def needle(argv: list[str]) -> int:
     return LP.main(argv)
 
 
+def _only_pinned(argv: list[str]) -> None:
+    """The pin is on for every runtime of the process: configurations other than the pinned ones would be
+    pinned too, under another name. Refuse them (the full cache's rows come with every run)."""
+    if "--configs" not in argv:
+        sys.exit("give --configs: only the pinned configurations (the pin holds for every runtime of the process)")
+    names = []
+    for a in argv[argv.index("--configs") + 1:]:
+        if a.startswith("--"):
+            break
+        names.append(a)
+    if not names or any("pinned" not in n for n in names):
+        sys.exit(f"--configs {' '.join(names)}: only the pinned configurations (the pin holds for every runtime "
+                 "of the process; run the others with their own script)")
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in ("followup", "needle"):
         sys.exit(__doc__)
+    _only_pinned(sys.argv[2:])
     EvictionConfig.protected = protected
     sys.exit(followup(sys.argv[2:]) if sys.argv[1] == "followup" else needle(sys.argv[2:]))
