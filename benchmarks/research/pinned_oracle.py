@@ -7,18 +7,18 @@ no recall swap displaces it (the recall's swaps spare protected pages too). The 
 pinned pages take the place of other pages. With ``--pin facts+head`` the chat template's head (the tokens
 before the document) is pinned too (needle prompts only).
 
-If a question is still lost with its fact resident in every buffer, no choice of which pages hold the fact
-can win it back at that budget; if it is won, the selection (eviction or recall) is what loses it.
+If a question is still lost with its fact resident in every buffer, the fact's residency is not what loses
+it; if it is won, the selection (eviction or recall) around the fact is what loses it.
 
     python benchmarks/research/pinned_oracle.py followup [recall.py's arguments]
     python benchmarks/research/pinned_oracle.py needle [--pin facts|facts+head] [long_prompt.py's arguments]
 
 The pin holds for every runtime of the process, so ``--configs`` must name pinned configurations only (the
 full cache's rows come with every run). ``followup`` adds recall.py configurations "evicted-pinned" (no
-recall) and "recall-pinned" (the recall's defaults); ``needle`` adds long_prompt.py's "guided-pinned" / "guided-pinned-head" (the defaults), and the
-split "heldout-55-95" (the held-out split's prompts at depths 55 and 95: the same kinds, seeds and offset).
+recall) and "recall-pinned" (the recall's defaults); ``needle`` adds long_prompt.py's "guided-pinned" /
+"guided-pinned-head" (the defaults), and the split "heldout-55-95" (the held-out split's prompts at depths 55 and 95: the same kinds, seeds and offset).
 A pin is found by the fact's sentence tokens (its first and last left out: they may merge with the text
-around them) in the runtime's own tokens, and is logged ("pin ... at POSITION"). Give ``--out``: rows are
+around them) in the runtime's own tokens, and is logged ("pin at POSITION: N tokens"). Give ``--out``: rows are
 written in those scripts' formats.
 """
 from __future__ import annotations
