@@ -249,14 +249,14 @@ def _since(rep: dict, before: dict) -> dict:
 
 def document(llm, i: int, length: int, split: str = "tune") -> tuple[str, list[dict]]:
     """Document i of a split: a haystack of about ``length`` tokens with three facts; (text,
-    [{question, number}])."""
+    [{question, number, needle}]), needle: the fact's sentence as placed in the text."""
     offset, seed = SPLITS[split]
     kinds = list(NE.NEEDLES)
     facts, sentences = [], []
     for j in range(3):
         needle, question, number, _ = NE.fact(kinds[(3 * i + j + seed) % len(kinds)], seed + 1000 * i + j)
         sentences.append(H.text_tokens(llm, needle))
-        facts.append({"question": question, "number": number})
+        facts.append({"question": question, "number": number, "needle": needle})
     ctx = niah.haystack_tokens(llm, length - sum(map(len, sentences)), offset + i)
     doc, last = [], 0
     for d, nt in zip(DEPTHS, sentences):

@@ -66,8 +66,8 @@ def protected(self, n: int) -> list[int]:
             PIN["at"][key] = at
             print(f"pin at {at}: {len(seq) + 2} tokens", flush=True)
         spans.append((max(at - 1, 0), min(at + len(seq) + 1, n)))
-    for lo, hi in spans:
-        out |= {p for p in range(lo // P, (hi - 1) // P + 1) if p < n_pages} if hi > lo else set()
+    for lo, hi in spans:            # each span holds at least one read token (lo < hi <= n)
+        out |= {p for p in range(lo // P, (hi - 1) // P + 1) if p < n_pages}
     return sorted(out)
 
 
@@ -77,10 +77,7 @@ def followup(argv: list[str]) -> int:
 
     def document(llm, i, length, split="tune"):
         text, facts = _doc(llm, i, length, split)
-        _, seed = B.SPLITS[split]
-        kinds = list(B.NE.NEEDLES)          # the facts as document() draws them
-        needles = [B.NE.fact(kinds[(3 * i + j + seed) % len(kinds)], seed + 1000 * i + j)[0] for j in range(3)]
-        PIN["seqs"], PIN["at"] = [B.H.text_tokens(llm, s)[1:-1] for s in needles], {}
+        PIN["seqs"], PIN["at"] = [B.H.text_tokens(llm, f["needle"])[1:-1] for f in facts], {}
         return text, facts
 
     def chat_init(self, llm):
