@@ -191,6 +191,24 @@ questions the full cache gets wrong); fidelity mean KL 0.102 on SmolLM2 and 0.06
 the full cache's 8 / 18 / 17): recall 5 / 17 / 17, recall-page32 4 / 18 / 17 (4 / 18 / 17 right in all against
 6 / 17 / 17; questions won-lost 0-2, 1-0, 0-0): fewer over the three models and SmolLM2 two fewer. Not adopted;
 the decode part did not run. The configuration stays (it sets existing options only).
+
+Round 13 (the rule written before its rows): a margin in the swap decision. From the fifth decoding recall of an
+answer on, 60-85% of the tokens a recall displaces came in at an earlier recall of the same answer (session 51, Qwen2.5
+at 8k): pages go out and come back as the last four tokens' queries change. And with the facts pinned resident
+(benchmarks/research/pinned_oracle.py, session 53), SmolLM2 keeps 8 of the full cache's 8 held-out right answers
+without recall and 5 with it: the recall's own swaps cost answers. RecallConfig's research option ``margin``: the read
+pages' weights are divided by ``margin`` before the decision, so that a stored page comes in only when it is attended
+about ``margin`` times more than the resident pages it displaces (at every recall, a turn's and a decoding one).
+A scratch run of session 53 with the same division (margin 4) answered 5 of SmolLM2's 18 tune questions (recall: 4);
+that is why 4 is a candidate, and its tune rows are run again here. recall-margin2 and recall-margin4 against
+round 11's recall rows (commit db9131a, whose recall code path is this commit's with margin 1), on the follow-up
+part's tune split and the fidelity part, SmolLM2 and Gemma 3. A margin goes on to the held-out split (three
+models) only if on the tune split it has more right answers than recall over both models, loses no model, and keeps
+the fidelity mean KL below head-independent eviction's on both; of the two, the one with more right answers over
+both models, ties: 2. It becomes the default only if, on the held-out split, no model has fewer right answers than
+recall, and either (a) it has more right answers over the three models, or (b) the decode part on Qwen2.5
+(evicted, recall and the margin interleaved, one thread) gives it at least 1.5x the full cache's tok/s where recall
+stays below 1.5x in the same run, and its fidelity mean KL is at most 10% above recall's on both models.
 """
 from __future__ import annotations
 
@@ -226,7 +244,8 @@ CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, 
            "recall-draft16": {"turn_draft": 16}, "recall-draft0": {"turn_draft": 0},
            "recall-every8": {"every": 8}, "recall-every16": {"every": 16}, "recall-hold": {"hold_draft": True},
            "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False},
-           "recall-page32": {"page_size": 32, "pages": 4, "turn_pages": 64}}
+           "recall-page32": {"page_size": 32, "pages": 4, "turn_pages": 64},
+           "recall-margin2": {"margin": 2.0}, "recall-margin4": {"margin": 4.0}}
 # rounds 2, 4 and 5's options (turn_consensus; swap_floor; spread) were not adopted and left the code after
 # them: their configurations (recall-cmean/cmax; recall-floor1/4; recall-spread1/2) run from commit c2cb138;
 # round 8's (wait_draft: recall-wait) from commit 599d4fb; round 10's (late_every: recall-late8) from commit bea38cb;
