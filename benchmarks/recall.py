@@ -244,12 +244,12 @@ CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, 
            "recall-draft16": {"turn_draft": 16}, "recall-draft0": {"turn_draft": 0},
            "recall-every8": {"every": 8}, "recall-every16": {"every": 16}, "recall-hold": {"hold_draft": True},
            "recall-requery": {"turn_requery": True}, "recall-norequery": {"turn_requery": False},
-           "recall-page32": {"page_size": 32, "pages": 4, "turn_pages": 64},
-           "recall-margin2": {"margin": 2.0}, "recall-margin4": {"margin": 4.0}}
+           "recall-page32": {"page_size": 32, "pages": 4, "turn_pages": 64}}
 # rounds 2, 4 and 5's options (turn_consensus; swap_floor; spread) were not adopted and left the code after
 # them: their configurations (recall-cmean/cmax; recall-floor1/4; recall-spread1/2) run from commit c2cb138;
 # round 8's (wait_draft: recall-wait) from commit 599d4fb; round 10's (late_every: recall-late8) from commit bea38cb;
-# round 11's (turn_requery = 2: recall-requery2) from commit db9131a
+# round 11's (turn_requery = 2: recall-requery2) from commit db9131a; round 13's (margin: recall-margin2/4) from
+# commit 7648b6d
 
 
 def _runtime(model: str, n_ctx: int, recall):

@@ -263,28 +263,12 @@ def test_the_decoded_steps_attention_is_kept_within_its_bound(model, monkeypatch
 def test_recall_settings_are_checked(model):
     for bad in (dict(every=0), dict(pages=-1), dict(page_size=2.5), dict(nope=1), dict(directory="/no/such/dir"),
                 dict(turn_draft=-1), dict(turn_draft=65), dict(turn_draft=True),
-                dict(turn_pages=4097), dict(every=True), dict(hold_draft=1), dict(turn_requery=None),
-                dict(margin=0.5), dict(margin=float("nan")), dict(margin=True), dict(margin="2")):
+                dict(turn_pages=4097), dict(every=True), dict(hold_draft=1), dict(turn_requery=None)):
         with pytest.raises((ValueError, TypeError)):
             ek.EntroKVLlama(model, n_ctx=256, recall=bad, **SETTINGS)
     with pytest.raises(TypeError):
         ek.EntroKVLlama(model, n_ctx=256, recall="yes", **SETTINGS)
     assert ek.EntroKVLlama(model, n_ctx=256, recall=True, **SETTINGS).recall.config == RecallConfig()
-
-
-def test_a_margin_keeps_out_the_pages_that_do_not_beat_the_displaced_ones_by_it(model):
-    """margin (research): the same prompt and decode recall as often, and move fewer tokens the larger the margin
-    (none at all when no page can be attended that much more than what it would displace)."""
-    moved = {}
-    for m in (1.0, 4.0, 1e6):
-        llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "margin": m}, **SETTINGS)
-        llm.eval(prompt(200, 1))
-        decode(llm, 12)
-        rep = llm.kv_report()["recall"]
-        assert llm.recall.config.margin == m and rep["recalls"] == 2 + 6
-        assert_each_position_once(llm, 212)
-        moved[m] = rep["recalled_tokens"]
-    assert moved[1.0] > moved[4.0] > moved[1e6] == 0, moved
 
 
 def test_the_answer_starts_from_the_cache_as_recalled_with_or_without_a_turn_draft(model):
@@ -436,9 +420,8 @@ def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm
     assert held[True][1] > held[True][0] + 10, held        # the question's recall brings the digits back
 
 
-def reference_plan(st, s, q, att, lse_res, tp, protect, P, N, margin=1.0):
-    """One slot's swaps, written plainly (loops): the oracle of recall.plan (the read tokens' weights
-    divided by ``margin``)."""
+def reference_plan(st, s, q, att, lse_res, tp, protect, P, N):
+    """One slot's swaps, written plainly (loops): the oracle of recall.plan."""
     counts, pos = st.counts[s], st.pos[s]
     live = np.flatnonzero(counts > 0)
     mean = st.sums[s][live] / counts[live, None]
@@ -449,9 +432,9 @@ def reference_plan(st, s, q, att, lse_res, tp, protect, P, N, margin=1.0):
     ents = {p: [j for j in range(pos.size) if pos[j] // st.page == p] for p in short}
     kf = {j: np.frombuffer(st.k[s][j].tobytes(), np.float32).astype(np.float64) for p in short for j in ents[p]}
     logits = {j: q @ kf[j] for j in kf}                                  # [I, r] each
-    lse_read = np.log(sum(np.exp(x) for x in logits.values()) / margin)
+    lse_read = np.log(sum(np.exp(x) for x in logits.values()))
     lse_seen = np.logaddexp(lse_res, lse_read)
-    score = {p: max(sum(np.exp(logits[j] - lse_seen)[:, h].sum() for j in ents[p]) / margin for h in range(q.shape[1]))
+    score = {p: max(sum(np.exp(logits[j] - lse_seen)[:, h].sum() for j in ents[p]) for h in range(q.shape[1]))
              for p in short}
     res = (att * np.exp(lse_res - lse_seen)[:, :, None]).sum(0).max(0)
     groups = {}
@@ -470,9 +453,8 @@ def reference_plan(st, s, q, att, lse_res, tp, protect, P, N, margin=1.0):
     return sorted(cells), sorted(taken)
 
 
-@pytest.mark.parametrize("margin", [1.0, 3.0])
-def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan(margin):
-    """recall.plan over all slots at once against reference_plan, without and with a margin."""
+def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan():
+    """recall.plan over all slots at once against reference_plan."""
     from entrokv_edge.runtime.recall import Store, plan
     rng = np.random.default_rng(0)
     S, I, r, d, P, page, N, n = 6, 4, 3, 8, 4, 16, 5, 640
@@ -487,13 +469,13 @@ def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan(margin):
     tp = np.stack([rng.permutation(x) for x in resident])          # cells hold resident tokens in any order
     q = rng.normal(size=(S, I, r, d)) * 0.2
     att = rng.dirichlet(np.ones(tp.shape[1]) * 50, size=(S, I, r)) * 0.8
-    lse = rng.normal(size=(S, I, r)) + 6.0 - np.log(margin)    # pages and resident tokens close: some slots stop early
+    lse = rng.normal(size=(S, I, r)) + 6.0                     # pages and resident tokens close: some slots stop early
     protect = np.zeros(n // P + 2, bool)
     protect[[0, 1, n // P - 1]] = True
-    cells, si, e, kf = plan(st, np.arange(S), q, att, lse, tp, protect, P, N, margin=margin)
+    cells, si, e, kf = plan(st, np.arange(S), q, att, lse, tp, protect, P, N)
     pages_in = []
     for s in range(S):
-        want_cells, want_entries = reference_plan(st, s, q[s], att[s], lse[s], tp[s], protect, P, N, margin)
+        want_cells, want_entries = reference_plan(st, s, q[s], att[s], lse[s], tp[s], protect, P, N)
         assert sorted(cells[s].tolist()) == want_cells and sorted(e[si == s].tolist()) == want_entries, f"slot {s}"
         assert want_entries == [] or np.array_equal(kf[si == s], keys[s][e[si == s]])
         pages_in.append(len({int(p) // page for p in st.pos[s][want_entries]}))

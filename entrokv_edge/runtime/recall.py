@@ -53,7 +53,6 @@ class RecallConfig:
     turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
     hold_draft: bool = True               # decoding recalls also see the turn's draft queries not yet decoded
     turn_requery: bool = True             # the turn's window evaluated again after its recall, driving a second one
-    margin: float = 1.0                   # research: the read pages' weights divided by this before the decision
 
     def __post_init__(self):
         if self.directory is not None:
@@ -69,10 +68,6 @@ class RecallConfig:
         for name in ("hold_draft", "turn_requery"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"recall {name} must be True or False, got {getattr(self, name)!r}")
-        m = self.margin
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 1.0 <= m <= 1e6:   # NaN fails too
-            raise ValueError(f"recall margin must be a number in 1..1e6, got {m!r}")
-        object.__setattr__(self, "margin", float(m))
 
 
 def recall_config(value) -> RecallConfig | None:
@@ -687,7 +682,7 @@ class Recall:
         cells, si, e, kf_old = [], [], [], []
         for ss in runs:
             q, att, lse, scale = inputs(ss)
-            c, i, j, k = plan(st, ss, q, att, lse, tp[ss], protect, P, n_pages, scale, self.config.margin)
+            c, i, j, k = plan(st, ss, q, att, lse, tp[ss], protect, P, n_pages, scale)
             cells += c
             if i.size:
                 si.append(i), e.append(j), kf_old.append(k)
@@ -719,7 +714,7 @@ ROWS_BYTES = 64 << 20       # the decoded steps' attention kept between two reca
 
 
 def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.ndarray, tp: np.ndarray,
-         protect: np.ndarray, P: int, N: int, att_scale: np.ndarray | None = None, margin: float = 1.0):
+         protect: np.ndarray, P: int, N: int, att_scale: np.ndarray | None = None):
     """The swaps of slots ``ss`` (S of them), all at once.
 
     q [S, I, r, d] the queries; att [S, I, r, n_keep] their attention over the compacted cells (times
@@ -729,7 +724,7 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     query and head); the top N are read and scored exactly against the cache (their mass and the
     resident tokens' after renormalising over both); in that order, a page comes in while its mass
     beats that of the least attended whole, unprotected eviction pages it displaces (this last part
-    in C: bindings.recall_plan), the read tokens' weights divided by ``margin`` first. Returns (cells: per slot int32 [n_s], the cells to overwrite; si, e: the store entries coming
+    in C: bindings.recall_plan). Returns (cells: per slot int32 [n_s], the cells to overwrite; si, e: the store entries coming
     in, in the same order; kf: their keys as floats)."""
     S = q.shape[0]
     sl = np.arange(S)
@@ -751,8 +746,6 @@ def plan(st: Store, ss: np.ndarray, q: np.ndarray, att: np.ndarray, lse_res: np.
     shift = np.maximum(lse_res, w.max(-1)) if w.shape[-1] else lse_res.astype(np.float32)
     w -= shift[..., None]
     np.exp(w, out=w)
-    if margin != 1.0:
-        w *= np.float32(1.0 / margin)
     # scored together with the resident tokens, the displaceable groups ordered, the swaps chosen: in C
     pages, n_take, out, n_out = recall_plan(att, np.exp(lse_res - shift), w, ent, tp, protect, P, page,
                                             N * (-(-page // P)), att_scale)     # no more groups than N pages displace
