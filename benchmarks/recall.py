@@ -209,8 +209,8 @@ both models, ties: 2. It becomes the default only if, on the held-out split, no 
 recall, and either (a) it has more right answers over the three models, or (b) the decode part on Qwen2.5
 (evicted, recall and the margin interleaved, one thread) gives it at least 1.5x the full cache's tok/s where recall
 stays below 1.5x in the same run, and its fidelity mean KL is at most 10% above recall's on both models.
-Its rows (commit 7648b6d, one thread, two processes at a time, the decode part alone): tune, right answers of 18 (SmolLM2 / Gemma 3), full
-9 / 15, recall 4 / 15, recall-margin2 6 / 17 (questions won-lost 2-0, 2-0), recall-margin4 5 / 17 (1-0, 2-0; Gemma
+Its rows (commit 7648b6d, one thread, two processes at a time, the decode part alone): tune, right answers of 18
+(SmolLM2 / Gemma 3), full 9 / 15, recall 4 / 15, recall-margin2 6 / 17 (questions won-lost 2-0, 2-0), recall-margin4 5 / 17 (1-0, 2-0; Gemma
 3's two more are questions its full cache gets wrong); fidelity mean KL head-independent / recall / margin2 /
 margin4 0.106 / 0.096 / 0.088 / 0.095 on SmolLM2 and 0.141 / 0.036 / 0.038 / 0.043 on Gemma 3: both passed, and
 recall-margin2 (23 right against 22) went on. Held out (right of the full cache's 8 / 18 / 17): recall 5 / 17 / 17,
