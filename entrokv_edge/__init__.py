@@ -26,8 +26,9 @@ from .bindings import (  # noqa: E402
 )
 
 from .bindings.observe import Observation, WindowScores  # noqa: E402
-from .controller import METHOD_POLICIES, POLICIES, EvictionConfig, EvictionController, EvictionResult, PageEntroKV  # noqa: E402
-from .runtime import EntroKVLlama, EntroKVState, SessionError  # noqa: E402
+from .controller import METHOD_POLICIES, POLICIES, EvictionConfig, Policy, policy_for  # noqa: E402
+from .runtime import (EntroKVLlama, EntroKVState, EvictionController, EvictionResult, PageEntroKV,  # noqa: E402
+                      RecallConfig, SessionError)
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,8 @@ __all__ = [
     "Observation",
     "EvictionController",
     "PageEntroKV",
+    "Policy",
+    "RecallConfig",
     "SessionError",
     "WindowScores",
     "KVGeometry",
@@ -52,6 +55,7 @@ __all__ = [
     "llama_cpp",
     "models",
     "n_refused",
+    "policy_for",
     "swa_trim",
     "true_positions",
     "value_norms",

@@ -10,7 +10,6 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-import entrokv_edge
 
 if sys.platform == "darwin":
     LIBLLAMA = "libllama.dylib"
@@ -21,7 +20,8 @@ else:
 
 
 def _roots() -> list[Path]:
-    return [Path(p) for p in entrokv_edge.__path__]
+    # the package's own search path (set before its __init__ runs, which imports this module)
+    return [Path(p) for p in sys.modules[__package__].__path__]
 
 
 @lru_cache(maxsize=None)

@@ -12,26 +12,22 @@ Bad input gets one line on stderr and exit status 2; nothing prints a traceback.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import dataclasses
 import json
-import math
 import sys
 import time
-import typing
-from pathlib import Path
 
-from .controller import EvictionConfig
+import numpy as np
+from tqdm import tqdm
+
+from . import server
+from .bindings import EntroKVError
 from .controller.config import DEFAULT_BUDGET
+from .launch import (EXIT_USAGE, CLIError, at_least, budget_value, count_tokens, finite, load_runtime, quiet_llama,
+                     read_text)
+from .runtime.rpc import RPCUnavailableError, serve as serve_rpc
 
-EXIT_USAGE = 2
 DESCRIPTION = ("Answer a prompt, chat, serve or inspect a model's heads with a KV cache of bounded size: "
                "Page-EntroKV eviction inside llama.cpp.")
-MAX_TEXT_BYTES = 16 << 20       # a -f file larger than this is refused (a model's whole context is far less)
-
-
-class CLIError(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,40 +38,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"entrokv-edge: {message} (see {self.prog} --help)\n")
 
 
-def _finite(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return v
-
-
-def _budget(text: str):
-    try:
-        v = _finite(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"budget must be a fraction (0.2) or a token count (512), got {text!r}")
-    return v if ("." in text or "e" in text.lower()) else int(v)
-
-
 # the policies a user picks between on the command line; every other one (the baselines the method is compared
 # with) stays reachable through --set policy=NAME
 MAIN_POLICIES = ("entrokv-edge", "page-entrokv", "streaming", "full")
-
-
-def _at_least(lo: int):
-    """An argparse type: an integer >= lo."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
-        return v
-    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,9 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = _Parser(add_help=False)
     common.add_argument("-m", "--model", required=True, help="a .gguf file, or a registered name (entrokv-models list)")
-    common.add_argument("--kv-cells", type=_at_least(1), metavar="N", help="the KV cache, in tokens, at most the "
+    common.add_argument("--kv-cells", type=at_least(1), metavar="N", help="the KV cache, in tokens, at most the "
                         "model's context (default: the prompt and the answer fit)")
-    common.add_argument("--budget", type=_budget, metavar="B", help="tokens each KV head keeps after the prompt: a fraction of "
+    common.add_argument("--budget", type=budget_value, metavar="B", help="tokens each KV head keeps after the prompt: a fraction of "
                         "it (0.2) or a count (512); default: what --kv-cells can keep, or "
                         f"{DEFAULT_BUDGET} of the prompt when the cache is sized to it")
     common.add_argument("--policy", choices=MAIN_POLICIES, help="what is kept: entrokv-edge (default), page-entrokv "
@@ -96,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any other setting (docs/options.md), e.g. --set page_size=16; repeatable")
     common.add_argument("--config", metavar="FILE", help="settings from a JSON object (--set and flags win)")
-    common.add_argument("--threads", type=_at_least(1), metavar="N", help="CPU threads (default: llama.cpp's; at most 512)")
+    common.add_argument("--threads", type=at_least(1), metavar="N", help="CPU threads (default: llama.cpp's; at most 512)")
     common.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers (and their cache) on a GPU; -1: all")
     common.add_argument("--rpc", action="append", metavar="HOST:PORT", help=argparse.SUPPRESS)   # docs/gpu.md
     common.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
@@ -109,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
         if name != "inspect":
             p.add_argument("--max-tokens", type=int, default=256, metavar="N",
                            help="the answer's length at most (default 256; <= 0: until the model stops)")
-            p.add_argument("--temp", type=_finite, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
+            p.add_argument("--temp", type=finite, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
             p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
         if name == "inspect":
             p.add_argument("--png", help="also write the figures to this PNG (needs matplotlib)")
@@ -117,34 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback; the protocol "
                    "has no authentication: expose it only on a trusted network)")
     p.add_argument("--port", type=int, default=50052)
-    p.add_argument("--threads", type=_at_least(1), help="CPU threads (default: all; at most 512)")
+    p.add_argument("--threads", type=at_least(1), help="CPU threads (default: all; at most 512)")
     p.add_argument("--cache-dir", help="keep received tensors here, so a model is sent once")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
-    from . import server                # serve: its flags and its logic live in server.py
-    server.add_parser(sub, common)
+    server.add_parser(sub, common)     # serve: its flags and its logic live in server/
     return ap
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, "rb") as f:      # at most MAX_TEXT_BYTES + 1 bytes: a device or a huge file ends here
-            data = f.read(MAX_TEXT_BYTES + 1)
-    except OSError as e:
-        raise CLIError(f"cannot read {path}: {e.strerror or e}")
-    if len(data) > MAX_TEXT_BYTES:
-        raise CLIError(f"{path} is larger than {MAX_TEXT_BYTES >> 20} MiB: far more text than a model's context")
-    if b"\0" in data:
-        raise CLIError(f"{path} is not a text file")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise CLIError(f"{path} is not a UTF-8 text file")
 
 
 def _prompt_text(args) -> str:
     parts = []
     if getattr(args, "file", None):
-        parts.append(_read_text(args.file))
+        parts.append(read_text(args.file))
     if args.prompt:
         parts.append(args.prompt)
     text = "\n\n".join(p for p in parts if p.strip())
@@ -153,198 +101,8 @@ def _prompt_text(args) -> str:
     return text
 
 
-def _model_file(name: str) -> Path:
-    from .models import ModelError, model_path
-    try:
-        path = model_path(name)
-    except ModelError as e:
-        raise CLIError(str(e))
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise CLIError(f"cannot read {path}: {e.strerror or e}")
-    if magic != b"GGUF":
-        raise CLIError(f"{path} is not a GGUF model file")
-    return path
-
-
-_LOG_CB = None
-
-
-def _quiet_llama() -> None:
-    """Silence llama.cpp's own logging (the default without --verbose)."""
-    global _LOG_CB
-    import llama_cpp
-    _LOG_CB = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
-    llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
-
-
-def _parse_value(key: str, text: str):
-    """A --set value as the setting's type (int, float, text; "none" where None is allowed)."""
-    hints = typing.get_type_hints(EvictionConfig)
-    kinds = set(typing.get_args(hints[key])) or {hints[key]}
-    if text.lower() in ("none", "null") and type(None) in kinds:
-        return None
-    if bool in kinds:
-        if text.lower() not in ("true", "false"):
-            raise CLIError(f"--set {key}: expected true or false, got {text!r}")
-        return text.lower() == "true"
-    if key == "budget":
-        try:
-            return _budget(text)
-        except argparse.ArgumentTypeError as e:
-            raise CLIError(f"--set budget: {e}")
-    for kind in (int, float):
-        if kind in kinds:
-            try:
-                return kind(text)
-            except ValueError:
-                raise CLIError(f"--set {key}: expected {'an integer' if kind is int else 'a number'}, got {text!r}")
-    return text
-
-
-def _settings(args) -> dict:
-    """The EvictionConfig of args: --config's file, then --set, then --budget and --policy."""
-    fields = {f.name for f in dataclasses.fields(EvictionConfig)}
-    given: dict = {}
-    if getattr(args, "config", None):
-        try:
-            data = json.loads(_read_text(args.config))
-        except json.JSONDecodeError as e:
-            raise CLIError(f"{args.config} is not a JSON object of settings ({e.msg}, line {e.lineno})")
-        except (ValueError, RecursionError) as e:     # a number of thousands of digits, nesting too deep
-            raise CLIError(f"{args.config} is not a JSON object of settings ({type(e).__name__}: {str(e)[:80]})")
-        if not isinstance(data, dict):
-            raise CLIError(f"{args.config} must hold a JSON object of settings, e.g. {{\"page_size\": 16}}")
-        given.update(data)
-    for item in getattr(args, "set", None) or []:
-        key, eq, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not eq or key not in fields:
-            raise CLIError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(fields))}")
-        given[key] = _parse_value(key, value.strip())
-    unknown = sorted(set(given) - fields)
-    if unknown:
-        raise CLIError(f"unknown setting(s) {', '.join(unknown)}; settings: {', '.join(sorted(fields))}")
-    if args.budget is not None:
-        given["budget"] = args.budget
-    if args.policy is not None:
-        given["policy"] = args.policy
-    try:
-        cfg = EvictionConfig(**given)
-    except (TypeError, ValueError) as e:
-        raise CLIError(str(e).replace("EvictionConfig: ", ""))
-    return {"eviction": cfg}
-
-
-def _load(args, n_prompt: int | None):
-    """An EntroKVLlama for args; n_prompt (tokens) sizes the default cache and checks the budget."""
-    from . import EntroKVError, EntroKVLlama
-    from .runtime.llama import cells_to_hold, reserved_cells
-    path = _model_file(args.model)
-    settings = _settings(args)
-    cfg = settings["eviction"]
-    max_new = max(getattr(args, "max_tokens", 0) or 0, 0)
-    n_ctx = _context_length(args)
-    cells = args.kv_cells
-    if cells is None:
-        # the prompt and the answer fit beside the cells an eviction leaves free
-        cells = min(cells_to_hold((n_prompt or 2048) + max_new + 64, cfg), max(n_ctx, 256))
-        if cfg.budget is None:      # a cache sized to the prompt: the budget is a share of it
-            cfg = settings["eviction"] = dataclasses.replace(cfg, budget=DEFAULT_BUDGET)
-    elif cells > n_ctx:
-        raise CLIError(f"--kv-cells {cells} is more than the model's context ({n_ctx} tokens): "
-                       f"cells beyond it could never hold a token")
-    if n_prompt is not None and n_prompt >= n_ctx:
-        raise CLIError(f"the prompt ({n_prompt} tokens) does not fit the model's context ({n_ctx} tokens)")
-    if n_prompt is not None and cfg.budget is not None:
-        try:
-            cfg.budget_pages(n_prompt)
-        except ValueError as e:
-            raise CLIError(str(e))
-        tokens = cfg.budget_tokens(n_prompt)
-        reserve = reserved_cells(cells, cfg)
-        if cfg.policy != "full" and tokens > cells - reserve:
-            raise CLIError(f"budget of {tokens} tokens is above what a {cells}-cell cache can keep "
-                           f"({cells - reserve}, leaving room for new tokens); lower --budget or raise --kv-cells")
-    batch = _batch_size(args, cells, cfg)
-    kwargs = dict(n_ctx=cells, n_batch=batch, n_ubatch=batch, verbose=args.verbose, n_gpu_layers=args.n_gpu_layers)
-    if args.rpc:
-        from .runtime.rpc import RPCUnavailableError, add_servers
-        try:
-            add_servers(args.rpc)
-        except (RPCUnavailableError, ValueError) as e:
-            raise CLIError(str(e))
-    if args.threads:
-        kwargs.update(n_threads=args.threads, n_threads_batch=args.threads)
-    if args.recall is not None:
-        kwargs["recall"] = args.recall
-    try:
-        return EntroKVLlama(str(path), **settings, **kwargs)
-    except EntroKVError as e:
-        raise CLIError(f"{path.name}: this model is not supported ({e.message})")
-    except ValueError as e:
-        msg = str(e)
-        if "Failed to load model" in msg:
-            raise CLIError(f"{path}: llama.cpp could not load this model (corrupt or unsupported architecture)")
-        raise CLIError(msg)
-
-
-def _vocab(args):
-    """The model's vocabulary and header (a vocab-only llama_cpp.Llama), loaded once per command."""
-    if getattr(args, "_vocab", None) is None:
-        import llama_cpp
-        path = _model_file(args.model)
-        try:
-            args._vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=args.verbose)
-        except ValueError:
-            raise CLIError(f"{path}: llama.cpp could not load this model (corrupt or unsupported architecture)")
-    return args._vocab
-
-
-def _batch_size(args, cells: int, cfg) -> int:
-    """n_batch and n_ubatch for a cache of ``cells``: 512, or less on a model with sliding-window
-    layers (GGUF key <arch>.attention.sliding_window), whose cache keeps the last n_swa tokens plus
-    a ubatch in as many cells as the base cache: the largest multiple of 32 that fits beside n_swa.
-    A ubatch must hold the observed window: a cache too small for that is refused here."""
-    meta = _vocab(args).metadata
-    try:
-        n_swa = int(meta.get(f"{meta.get('general.architecture', '')}.attention.sliding_window", 0) or 0)
-    except ValueError:
-        n_swa = 0
-    room = (cells - n_swa) // 32 * 32
-    if not n_swa or room >= 512:
-        return 512
-    if room < cfg.window:
-        need = n_swa + -(-cfg.window // 32) * 32
-        raise CLIError(f"--kv-cells {cells} cannot run this model's sliding-window layers: they keep the last {n_swa} "
-                       f"tokens plus a batch of at least the observed window ({cfg.window}); use --kv-cells {need} "
-                       f"or more")
-    return room
-
-
-def _context_length(args) -> int:
-    """The model's training context (GGUF key <arch>.context_length; a vocab-only model has no
-    hyperparameters): the longest conversation EntroKVLlama accepts."""
-    meta = _vocab(args).metadata
-    try:
-        return int(meta[f"{meta['general.architecture']}.context_length"])
-    except (KeyError, ValueError):
-        raise CLIError(f"{args.model}: the model file does not give its context length")
-
-
-def _count_tokens(args, text: str) -> int:
-    n = len(_vocab(args).tokenize(text.encode()))
-    return n + (0 if getattr(args, "raw", True) else 32)   # the chat template's own tokens
-
-
 def _progress_bar(enabled: bool):
     if not enabled:
-        return None, None
-    try:
-        from tqdm import tqdm
-    except ImportError:
         return None, None
     bar = tqdm(total=0, unit="tok", desc="prefill", file=sys.stderr, leave=False)
 
@@ -382,9 +140,9 @@ def _generate(llm, args, text: str, on_text):
 
 def cmd_run(args) -> int:
     text = _prompt_text(args)
-    n_prompt = _count_tokens(args, text)
+    n_prompt = count_tokens(args, text)
     bar, update = _progress_bar(sys.stderr.isatty() and not args.json and n_prompt > 1024)
-    llm = _load(args, n_prompt)
+    llm = load_runtime(args, n_prompt)
     llm.progress = update
     echo = (lambda s: None) if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     n0 = llm.n_tokens
@@ -415,7 +173,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    llm = _load(args, None)
+    llm = load_runtime(args, None)
     messages: list[dict] = []
     interactive = sys.stdin.isatty()
     print("entrokv-edge chat: /save FILE, /load FILE, /stats, /quit", file=sys.stderr)
@@ -466,7 +224,6 @@ def cmd_chat(args) -> int:
 
 def _pages_map(positions, n: int, P: int, width: int = 96) -> list[str]:
     """One line per (layer, group): '#' where a page is kept ('+' partly, when pages are merged)."""
-    import numpy as np
     L, G, _ = positions.shape
     n_pages = -(-n // P)
     kept = np.zeros((L, G, n_pages), dtype=bool)
@@ -483,10 +240,9 @@ def _pages_map(positions, n: int, P: int, width: int = 96) -> list[str]:
 
 
 def cmd_inspect(args) -> int:
-    import numpy as np
     text = _prompt_text(args)
-    n_prompt = _count_tokens(args, text)
-    llm = _load(args, n_prompt)
+    n_prompt = count_tokens(args, text)
+    llm = load_runtime(args, n_prompt)
     toks = llm.tokenize(text.encode())
     if len(toks) > llm.kv_cells - llm.reserve:
         raise CLIError(f"inspect evicts once, at the end of the prompt: {len(toks)} tokens need "
@@ -541,24 +297,21 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_rpc_server(args) -> int:
-    from .runtime.rpc import RPCUnavailableError, serve
     try:
-        serve(f"{args.host}:{args.port}", n_threads=args.threads, cache_dir=args.cache_dir)
+        serve_rpc(f"{args.host}:{args.port}", n_threads=args.threads, cache_dir=args.cache_dir)
     except (RPCUnavailableError, ValueError) as e:
         raise CLIError(str(e))
     return 0
 
 
 def cmd_serve(args) -> int:
-    from .server import main as serve
-    return serve(args)
+    return server.main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .bindings import EntroKVError
     if not args.verbose:
-        _quiet_llama()
+        quiet_llama()
     try:
         return {"run": cmd_run, "chat": cmd_chat, "inspect": cmd_inspect,
                 "rpc-server": cmd_rpc_server, "serve": cmd_serve}[args.cmd](args)

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .native import _api, _check, context_pointer
+from .native import observed_arrays, observer_callback, set_observer
 
 
 @dataclass
@@ -68,21 +68,8 @@ def head_slots(n_layers: int, n_head: int, n_head_kv: int) -> np.ndarray:
     return np.arange(n_layers)[:, None] * n_head_kv + np.arange(n_head)[None, :] // (n_head // n_head_kv)
 
 
-def _view(ffi, s) -> WindowScores:
-    L, H, n_kv, ns = s.n_layers, s.n_head, s.n_kv, s.n_slots
-    if s.scores == ffi.NULL:        # an observation of the queries only
-        scores, tpos = np.zeros((L, H, 0), np.float32), np.zeros((ns, 0), np.int32)
-    else:
-        scores = np.frombuffer(ffi.buffer(s.scores, L * H * n_kv * 4), dtype=np.float32).reshape(L, H, n_kv)
-        tpos = np.frombuffer(ffi.buffer(s.true_pos, ns * n_kv * 4), dtype=np.int32).reshape(ns, n_kv)
-    ids = np.frombuffer(ffi.buffer(s.layer_ids, L * 4), dtype=np.int32)
-    q = None
-    if s.head_dim > 0 and s.queries != ffi.NULL:
-        q = np.frombuffer(ffi.buffer(s.queries, L * s.window * H * s.head_dim * 4),
-                          dtype=np.float32).reshape(L, s.window, H, s.head_dim)
-    rows = None
-    if s.n_rows > 0 and s.rows != ffi.NULL:
-        rows = np.frombuffer(ffi.buffer(s.rows, L * H * s.n_rows * 4), dtype=np.float32).reshape(L, H, s.n_rows)
+def _view(s) -> WindowScores:
+    scores, tpos, ids, q, rows = observed_arrays(s)
     return WindowScores(scores, tpos, ids, s.window, s.n_tokens, s.pos_last, q, rows=rows)
 
 
@@ -110,17 +97,16 @@ class Observation:
         self.last: WindowScores | None = None
         self.count = 0
         self._error: BaseException | None = None
-        ffi, _ = _api()
         # the callback holds the observation weakly: a cycle (observation -> callback -> observation) would
         # keep every observation's scores alive until the garbage collector happened to run, MiBs each
         ref = weakref.ref(self)
 
-        def on_scores(user_data, s):
+        def on_scores(s):
             self = ref()
             if self is None:
                 return
             try:
-                view = _view(ffi, s)
+                view = _view(s)
                 if self.handler is not None:
                     self.handler(view)
                 if self.keep_last:
@@ -129,20 +115,15 @@ class Observation:
             except BaseException as e:  # noqa: BLE001 - re-raised after the decode returns
                 self._error = e
 
-        self._cb = ffi.callback("void(void *, const struct llama_entrokv_scores *)", on_scores)
+        self._cb = observer_callback(on_scores)
 
     def start(self) -> "Observation":
-        ffi, lib = _api()
-        if self.rows:
-            _check(lib.llama_entrokv_set_decode_observer(context_pointer(self.llm), self._cb, ffi.NULL))
-            return self
-        set_observer = lib.llama_entrokv_set_query_observer if self.queries_only else lib.llama_entrokv_set_observer
-        _check(set_observer(context_pointer(self.llm), self.window, self._cb, ffi.NULL))
+        kind = "decode" if self.rows else "queries" if self.queries_only else "scores"
+        set_observer(self.llm, kind, self.window, self._cb)
         return self
 
     def stop(self) -> None:
-        ffi, lib = _api()
-        _check(lib.llama_entrokv_set_observer(context_pointer(self.llm), 0, ffi.NULL, ffi.NULL))
+        set_observer(self.llm, "scores", 0, None)
         self.raise_pending()
 
     def raise_pending(self) -> None:

@@ -23,7 +23,7 @@ EDGE_OPTIONS = ("pool", "spread", "decay", "consensus", "entropy_region", "head_
                 "lookahead_share", "guide_consensus", "reselect")
 MAX_LOOKAHEAD = 64
 # the budget when none is given: a fraction of the prompt for the controller alone (EvictionController); EntroKVLlama,
-# which knows its cache, keeps what the cache can hold with room for new tokens instead (runtime/llama.py)
+# which knows its cache, keeps what the cache can hold with room for new tokens instead (runtime/eviction.py)
 DEFAULT_BUDGET = 0.2
 ENTROPY_REGIONS = ("sinks", "evictable")
 HEAD_POOLS = ("entropy", "max", "rank")
@@ -68,7 +68,7 @@ class EvictionConfig:
     lookahead      : k in [0, MAX_LOOKAHEAD] (0: off): before the eviction after a prompt, up to k
                      tokens are drafted greedily with the whole cache and their attention joins
                      the window's (mixed by lookahead_share); the drafted tokens are then removed,
-                     so they only decide what is kept (controller/lookahead.py). The window
+                     so they only decide what is kept (runtime/drafts.py). The window
                      sees the question; the draft sees where the answer looks
     lookahead_share: x in [0, 1]: the draft's share of the mixed scores, (1 - x) x the window's
                      mean + x x the drafted tokens' mean; 0: each query one vote (w window
@@ -95,7 +95,7 @@ class EvictionConfig:
                      aside (K/V rows outside the cache) until the prompt is read; the eviction after it then
                      scores the cached and the set-aside tokens alike (the exact attention of its window and
                      lookahead draft) and selects from all of them, the chosen set-aside tokens written back
-                     (controller/reselect.py). Not with value_power > 0 (set-aside values are not read)
+                     (runtime/reselect.py). Not with value_power > 0 (set-aside values are not read)
     """
 
     budget: float | int | None = None

@@ -16,8 +16,9 @@ import signal
 import socket
 import threading
 
-from .._paths import lib_dir
 from .._loader import ensure_llama_cpp
+from .._paths import lib_dir
+from .host import MAX_THREADS
 
 _registered: dict[str, list[str]] = {}
 _lock = threading.Lock()
@@ -109,7 +110,6 @@ def serve(endpoint: str = "127.0.0.1:50052", n_threads: int | None = None, cache
     cache, so a model is sent once). Raises RPCUnavailableError if the port cannot be
     bound.
     """
-    from .llama import MAX_THREADS
     host, port = parse_endpoint(endpoint)
     if n_threads is not None and not 1 <= n_threads <= MAX_THREADS:
         raise ValueError(f"n_threads must be in 1..{MAX_THREADS}, got {n_threads}")

@@ -43,7 +43,7 @@ class EntroKVState(llama_cpp.LlamaState):
     with what a compacted cache needs besides: ``logits`` (float32 [n_vocab], the last token's),
     ``true_pos`` (int32 [n_slots, n_compacted]), ``window_scores`` (or None), ``settings`` (the
     EvictionConfig fields), ``identity`` (model and cache geometry), ``extra`` and ``recall`` (the
-    recall store's arrays, runtime/recall.py; empty without one)."""
+    recall store's arrays, runtime/recall/; empty without one)."""
 
     def __init__(self, *, input_ids: np.ndarray, n_tokens: int, llama_state: bytes, seed: int, logits: np.ndarray,
                  true_pos: np.ndarray, window_scores: WindowScores | None, settings: dict, identity: dict,

@@ -1,7 +1,7 @@
 """Reselect: the eviction after a prompt read in pieces chooses among every token the prompt held.
 
 The evictions between pieces are made before the question at the prompt's end is read (the guide
-only previews it). What they drop is set aside (a store of K/V rows, runtime/recall.py's ``Store``),
+only previews it). What they drop is set aside (a store of K/V rows, runtime/store.py),
 and the eviction after the prompt scores the resident tokens and the set-aside ones alike: the exact
 attention of the question's window and of the lookahead draft over both, mixed as lookahead mixes them,
 causal by true position. The policy then selects from all of them at the usual budget, and the chosen
@@ -95,7 +95,7 @@ def resident(llm, g, tp_now: np.ndarray, store):
     return keys, np.stack([t[c] for t, c in zip(tp_now, cells)])
 
 
-def swap_in(llm, g, tp_now: np.ndarray, keep_pos: np.ndarray, store, chunk_rows: int = 16384) -> int:
+def swap_in(llm, g, tp_now: np.ndarray, keep_pos: np.ndarray, store, chunk_rows: int) -> int:
     """Per slot, the kept true positions keep_pos [S, K] that the cache does not hold come back from
     ``store``: each is written into a compacted cell whose token is not kept, and that token takes its
     entry in the store. Everything is checked before anything moves; the rows then move a few slots at a

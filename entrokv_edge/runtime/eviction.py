@@ -1,5 +1,10 @@
-"""The controller: one object a user configures, which prefills a prompt with the
-observation window switched on, selects pages with its policy and compacts the cache.
+"""The eviction step: window scores in, a compacted cache out.
+
+``EvictionController`` acts on any ``llama_cpp.Llama`` (after ``import entrokv_edge``): it maps the
+window scores from cells to true positions per (layer, KV head), asks its policy (controller/,
+numpy only) for the pages every group buffer keeps, and compacts the cache. ``evict`` below is
+the runtime's step: the budget its cache allows, the store an eviction hands its tokens to, the
+counters.
 
     ctl = EvictionController(budget=0.2, page_size=16, window=32)
     result = ctl.prefill(llm, tokens)       # llm: a llama_cpp.Llama (after import entrokv_edge)
@@ -13,15 +18,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..bindings import compact, geometry, swa_trim, true_positions, value_norms
+from ..bindings import EntroKVError, compact, geometry, swa_trim, true_positions, value_norms
 from ..bindings.observe import Observation, WindowScores, head_slots
-from . import metrics as M
-from .config import EvictionConfig
-from .lookahead import lookahead_scores
-from .pages import page_scores, pages_to_positions
-from .policies import Selection, select_layers
+from ..controller import metrics as M
+from ..controller.config import EvictionConfig
+from ..controller.pages import page_scores, pages_to_positions
+from ..controller.policies import Policy, Selection, policy_for
+from ..controller.weights import head_weights
+from .._loader import ensure_llama_cpp
+from .drafts import lookahead_scores
+from .host import release_freed_memory
 from .reselect import UnionScores, resident, swap_in
-from .weights import head_weights
+from .store import set_aside
+
+llama_cpp = ensure_llama_cpp()
 
 
 @dataclass
@@ -37,12 +47,27 @@ class EvictionResult:
 
 
 class EvictionController:
-    """Budgets, pages and entropy weights for a llama_cpp.Llama (see EvictionConfig)."""
+    """Evicts a llama_cpp.Llama's cache with a policy: an EvictionConfig (its policy by name, ``policy_for``), a
+    Policy (controller/policies.py: a wrapped one, say) or the settings of an EvictionConfig."""
 
-    def __init__(self, config: EvictionConfig | None = None, **settings):
+    def __init__(self, config: EvictionConfig | Policy | None = None, *, swap_rows: int = 16384, **settings):
+        """``swap_rows``: the set-aside tokens a reselect writes back per step (their rows in flight stay a few
+        MiB whatever the prompt's length)."""
         if config is not None and settings:
-            raise TypeError("give either an EvictionConfig or keyword settings, not both")
-        self.config = config if config is not None else EvictionConfig(**settings)
+            raise TypeError("give either an EvictionConfig (or a Policy) or keyword settings, not both")
+        if isinstance(config, Policy):
+            self.policy = config
+        else:
+            self.policy = policy_for(config if config is not None else EvictionConfig(**settings))
+        self.swap_rows = swap_rows
+
+    def replace(self, **changes) -> "EvictionController":
+        """This controller with other settings (its policy's ``replace``)."""
+        return EvictionController(self.policy.replace(**changes), swap_rows=self.swap_rows)
+
+    @property
+    def config(self) -> EvictionConfig:
+        return self.policy.config
 
     def prefill(self, llm, tokens, *, needles=None) -> EvictionResult:
         """Evaluate ``tokens`` on a fresh context, its last ``window`` tokens as one
@@ -65,7 +90,7 @@ class EvictionController:
         return self.evict(llm, self.draft_scores(llm, obs.last, llm.eval), needles=needles)
 
     def draft_scores(self, llm, scores: WindowScores, eval_tokens, stats: dict | None = None) -> WindowScores:
-        """``scores`` mixed with a draft's (the option lookahead; controller/lookahead.py), or
+        """``scores`` mixed with a draft's (the option lookahead; runtime/drafts.py), or
         ``scores`` as they are when it is off. ``eval_tokens``: evaluates tokens on ``llm``
         without evicting."""
         if not self.config.lookahead:
@@ -83,10 +108,10 @@ class EvictionController:
         ``n_keep``: pages to keep instead of the budget's (the runtime's capacity limit);
         ``before_compact(tp_now, cells)``: called with the slots' true positions (None: cells are
         positions) and the cells [n_slots, K] each keeps, right before the compaction.
-        ``aside``: a store (runtime/recall.py) of the tokens earlier evictions dropped: with the option
+        ``aside``: a store (runtime/store.py) of the tokens earlier evictions dropped: with the option
         ``reselect`` and the window's queries in ``scores``, they are scored with the cached ones and may be
         chosen; those chosen come back into the cache, the tokens they displace take their place in the
-        store (controller/reselect.py; metrics["reselected_tokens"])."""
+        store (runtime/reselect.py; metrics["reselected_tokens"])."""
         cfg = self.config
         t0 = time.perf_counter()
         g = geometry(llm)
@@ -114,11 +139,11 @@ class EvictionController:
                 layer_scores = lambda l: self._layer_scores_by_position(scores, present, l, n, H, r)    # noqa: E731
         available = None if fresh else page_scores(present.astype(np.float32), cfg.page_size, "max") > 0
         values = self._values_by_position(llm, tp_now, n, L, G) if cfg.value_power > 0 else None
-        sel = select_layers(layer_scores, L, r, cfg, n, available=available, n_keep=n_keep, values=values)
+        sel = self.policy.select_layers(layer_scores, L, r, n, available=available, n_keep=n_keep, values=values)
         positions = pages_to_positions(sel.pages, cfg.page_size, n)
         brought = swa_dropped = 0
         if union is not None:
-            brought = swap_in(llm, g, tp_now, positions.reshape(L * G, -1), aside)
+            brought = swap_in(llm, g, tp_now, positions.reshape(L * G, -1), aside, self.swap_rows)
             tp_now = true_positions(llm) if brought else tp_now
         t1 = time.perf_counter()
         if cfg.policy != "full":
@@ -245,3 +270,91 @@ class EvictionController:
 
 # the name the README first documented for this class: kept as an alias of it
 PageEntroKV = EvictionController
+
+
+# --- the runtime's step ------------------------------------------------------------------------
+
+def reserved_cells(kv_cells: int, cfg: EvictionConfig) -> int:
+    """Cells an eviction leaves free for new tokens: a quarter of the cache, at least a window and a page."""
+    return max(cfg.window + cfg.page_size, kv_cells // 4)
+
+
+def cells_to_hold(n_tokens: int, cfg: EvictionConfig, step: int = 256) -> int:
+    """The smallest cache, a multiple of ``step``, that holds ``n_tokens`` beside the cells an
+    eviction leaves free."""
+    cells = step
+    while cells - reserved_cells(cells, cfg) < n_tokens:
+        cells += step
+    return cells
+
+
+def capacity_pages(rt) -> int:
+    """Pages an eviction of runtime ``rt`` (an EntroKVLlama) may keep so that new tokens still find room."""
+    return (rt.kv_cells - rt.reserve) // rt.config.page_size
+
+
+def budget_pages(rt, n: int) -> int:
+    """The pages every group buffer of ``rt`` keeps after n tokens: the budget's, within the capacity."""
+    capacity = capacity_pages(rt)
+    try:    # no budget given: what the cache can keep with room for new tokens
+        N = rt.config.budget_pages(n, capacity * rt.config.page_size)
+    except ValueError:
+        N = len(rt.config.protected(n))
+    return min(N, capacity)
+
+
+def recency_scores(rt) -> WindowScores:
+    """Scores that favour recent tokens, for an eviction before any observation."""
+    g = geometry(rt)
+    tp = true_positions(rt)
+    H = llama_cpp.llama_model_n_head(rt.model)
+    L, G = g.n_layers, g.layers[0].n_head_kv
+    slot_of = head_slots(L, H, G)
+    s = np.where(tp[slot_of] >= 0, tp[slot_of] + 1.0, 0.0).astype(np.float32)
+    s /= s.sum(-1, keepdims=True)
+    return WindowScores(s, tp, np.array([l.il for l in g.layers], np.int32), 0, 0, g.pos_max)
+
+
+def evict(rt, n_keep: int | None = None, controller: EvictionController | None = None,
+          reselect: bool = False) -> EvictionResult:
+    """Evict runtime ``rt`` (an EntroKVLlama) now, with its freshest window scores, down to ``n_keep`` pages
+    (default: the budget for the logical length, within the cache's capacity). ``controller``: one with other
+    settings for this eviction only (a guided eviction's consensus); ``reselect``: the eviction after a prompt
+    read in pieces, which may choose what earlier ones set aside. The tokens that leave go to the recall's
+    store, or to the read's own while a prompt is read in pieces."""
+    n = rt.n_tokens
+    if n == 0:
+        raise ValueError("nothing to evict: the context is empty")
+    scores = rt._window_scores or recency_scores(rt)
+    N = budget_pages(rt, n) if n_keep is None else n_keep
+    if rt.config.policy == "full":
+        raise ValueError("the full policy never evicts: the cache is too small for this conversation")
+    t0 = time.perf_counter()
+    aside = (rt.recall.store if rt.recall else rt._aside) if reselect else None  # recall's, or the read's own
+    if rt.recall:
+        hand_over = lambda tp, cells: rt.recall.on_evict(rt, tp, cells)      # noqa: E731
+    elif rt._aside is not None and not reselect:      # (the read's own is dropped after its last eviction)
+        hand_over = lambda tp, cells: set_aside(rt, rt._aside, tp, cells)    # noqa: E731
+    else:
+        hand_over = None
+    hook = hand_over
+    if rt.events.wants("compacting"):
+        def hook(tp, cells):
+            rt.events.emit("compacting", rt=rt, true_pos=tp, cells=cells)
+            if hand_over is not None:
+                hand_over(tp, cells)
+    controller = controller or rt.controller
+    rt.events.emit("evicting", rt=rt, controller=controller, scores=scores, aside=aside)
+    res = controller.evict(rt, scores, n_keep=N, before_compact=hook, aside=aside)
+    rt.stats.reselected += res.metrics.get("reselected_tokens", 0)
+    if rt.recall:
+        rt.recall.n_keep = geometry(rt).n_compacted
+    release_freed_memory()
+    rt.stats.eviction_s += time.perf_counter() - t0
+    rt.stats.evictions += 1
+    if res.metrics["kept_tokens"] > rt.kv_cells - rt.config.window:
+        raise EntroKVError(-5, f"policy {rt.config.policy} kept {res.metrics['kept_tokens']} tokens, "
+                               f"more than the cache ({rt.kv_cells} cells) can hold with room to go on")
+    rt.last_eviction = res
+    rt.events.emit("evicted", rt=rt, controller=controller, result=res)
+    return res

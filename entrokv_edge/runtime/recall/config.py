@@ -1,0 +1,52 @@
+"""The recall's settings: ``recall=True``, a dict of them, or a RecallConfig."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RecallConfig:
+    """``every``: decoded tokens between two recalls; ``pages``: pages read and offered per
+    (layer, KV group) at each of them; ``turn_pages``: the same at a new turn; ``page_size``: true
+    positions per page of the store (its own, rounded up to whole eviction pages); ``directory``:
+    keep the store's rows in a file there (without a name, gone with the store) instead of host
+    memory. Defaults: docs/research.md, "The recall tier"."""
+
+    every: int = 4
+    pages: int = 8
+    page_size: int = 16
+    directory: str | None = None
+    turn_pages: int = 128
+    turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
+    hold_draft: bool = True               # decoding recalls also see the turn's draft queries not yet decoded
+    turn_requery: bool = True             # the turn's window evaluated again after its recall, driving a second one
+
+    def __post_init__(self):
+        if self.directory is not None:
+            d = os.fspath(self.directory)
+            if not os.path.isdir(d) or not os.access(d, os.W_OK):
+                raise ValueError(f"recall directory {d!r} is not a writable directory")
+            object.__setattr__(self, "directory", d)
+        for name, lo, hi in (("every", 1, 4096), ("pages", 1, 4096), ("page_size", 1, 4096),
+                             ("turn_pages", 1, 4096), ("turn_draft", 0, 64)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"recall {name} must be an integer in {lo}..{hi}, got {v!r}")
+        for name in ("hold_draft", "turn_requery"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"recall {name} must be True or False, got {getattr(self, name)!r}")
+
+
+def recall_config(value) -> RecallConfig | None:
+    """The ``recall`` option: None / False (off), True (the defaults), a dict of RecallConfig's
+    fields, or a RecallConfig."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return RecallConfig()
+    if isinstance(value, RecallConfig):
+        return value
+    if isinstance(value, dict):
+        return RecallConfig(**value)
+    raise TypeError(f"recall must be True, False, a dict or a RecallConfig, got {value!r}")
