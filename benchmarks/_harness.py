@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import entrokv_edge as ek
-from entrokv_edge.controller.lookahead import restore_tail
+from entrokv_edge.runtime.drafts import restore_tail
 from llama_cpp import llama_cpp as C
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 

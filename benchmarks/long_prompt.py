@@ -120,6 +120,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 import entrokv_edge as ek  # noqa: E402
+from entrokv_edge.runtime.eviction import capacity_pages  # noqa: E402
 
 import _harness as H  # noqa: E402
 import fidelity  # noqa: E402
@@ -154,6 +155,17 @@ FULL = dict(lengths=[8192, 16384], cells=[1024, 2048], max_answer=24, fid_tokens
 QUICK = dict(lengths=[1024], cells=[256], max_answer=8, fid_tokens=8)
 
 
+# research oracles compose the product's policies through this: a function Policy -> Policy applied to every
+# runtime's policy (benchmarks/research/pinned_oracle.py pins facts resident with it); None: the policy as it is
+WRAP = None
+
+
+def _policy(cfg: ek.EvictionConfig):
+    """The policy a read evicts with: ``cfg``'s, wrapped by WRAP where a research oracle set it."""
+    policy = ek.policy_for(cfg)
+    return WRAP(policy) if WRAP is not None else policy
+
+
 def _runtime(model: str, cells: int, n_logical: int, recall=None):
     return ek.EntroKVLlama(str(ek.models.model_path(model)), n_ctx=cells, n_batch=512, n_ubatch=512,
                            logical_ctx=n_logical, verbose=False, seed=0, n_threads=H.threads(),
@@ -186,25 +198,29 @@ def _read(llm, tokens: list[int], cfg: ek.EvictionConfig, guide=None) -> dict:
     """Read ``tokens`` into ``llm`` (EntroKVLlama, emptied first) with ``cfg`` (and ``guide``, given to
     eval: None for its automatic one); its costs."""
     llm.reset()
-    llm.controller = ek.EvictionController(cfg)
-    if llm.recall:      # its counters per read
-        llm.recall.recalled = llm.recall.n_recalls = 0
-        llm.recall_s = 0.0
-    before = (llm.n_evictions, llm.eviction_s, llm.n_guided, llm.guide_s)
+    llm.use(_policy(cfg))
+    recall_before = (llm.stats.recall_s, llm.stats.recalled)       # its counters per read
+    _READ_START[id(llm)] = (llm.stats.recalls, llm.stats.recalled, llm.stats.recall_s)
+    before = (llm.stats.evictions, llm.stats.eviction_s, llm.stats.guided, llm.stats.guide_s)
     t0 = time.perf_counter()
     llm.eval(tokens, guide=guide)
-    out = {"prefill_s": time.perf_counter() - t0, "evictions": llm.n_evictions - before[0],
-           "eviction_s": llm.eviction_s - before[1], "guided": llm.n_guided - before[2],
-           "guide_s": llm.guide_s - before[3], "kept_tokens": ek.geometry(llm).n_used}
+    out = {"prefill_s": time.perf_counter() - t0, "evictions": llm.stats.evictions - before[0],
+           "eviction_s": llm.stats.eviction_s - before[1], "guided": llm.stats.guided - before[2],
+           "guide_s": llm.stats.guide_s - before[3], "kept_tokens": ek.geometry(llm).n_used}
     if llm.recall:      # the turn's recall (part of the prefill's time), before any answer token
-        out.update(recall_s=llm.recall_s, recalled_tokens=llm.recall.recalled)
+        out.update(recall_s=llm.stats.recall_s - recall_before[0], recalled_tokens=llm.stats.recalled - recall_before[1])
     return out
 
 
+_READ_START: dict = {}      # per runtime: its recall counters when the last read began
+
+
 def _answer_costs(llm, row: dict) -> dict:
-    """The recall's totals after the answer (its decoding recalls too)."""
+    """The recall's totals since the read began, after the answer (its decoding recalls too)."""
     if llm.recall:
-        row.update(recalls=llm.recall.n_recalls, recalled_total=llm.recall.recalled, recall_total_s=llm.recall_s)
+        n0, t0, s0 = _READ_START.get(id(llm), (0, 0, 0.0))
+        row.update(recalls=llm.stats.recalls - n0, recalled_total=llm.stats.recalled - t0,
+                   recall_total_s=llm.stats.recall_s - s0)
     return row
 
 
@@ -338,7 +354,7 @@ def fidelity_rows(models, tokens: int, n_qa: int, n_code: int, length: int, comm
             continue
         full = H.load(model, length + tokens + 256)
         stop = H.stop_tokens(full)
-        budget = first._capacity_pages() * first.config.page_size      # what the small cache keeps
+        budget = capacity_pages(first) * first.config.page_size      # what the small cache keeps
         for p in fidelity.qa_prompts(full, n_qa, length, sp["qa_offset"]) + \
                 fidelity.code_prompts(full, n_code, length, sp["code_offset"]):
             snap, ref, full_lp = fidelity_reference(full, p, tokens, stop)

@@ -137,7 +137,7 @@ cache's 7 / 18 / 17, SmolLM2 / Gemma 3 / Qwen2.5): recall (its recall-r4 rows) 1
 default since commit dad22e4, and the ``recall`` configuration includes it in rows from then on.
 
 Round 10 (the rule written before its rows): issue 23's decode goal on Qwen2.5 (1.5x the full cache's decode
-speed at 8k tokens) stood at 1.48-1.497x over session 49's runs, every part of a recall made as cheap as it
+speed at 8k tokens) stood at 1.48-1.497x over 06afe33's runs (2026-12-06), every part of a recall made as cheap as it
 could be without changing a decision. RecallConfig's research option ``late_every``: decoding recalls every
 ``every`` (4) tokens through an answer's first ``turn_draft`` (16) tokens, the positions the turn's draft
 planned for and whose queries the decoding recalls hold; from there on every ``late_every`` tokens.
@@ -193,13 +193,13 @@ the full cache's 8 / 18 / 17): recall 5 / 17 / 17, recall-page32 4 / 18 / 17 (4 
 the decode part did not run. The configuration stays (it sets existing options only).
 
 Round 13 (the rule written before its rows): a margin in the swap decision. From the fifth decoding recall of an
-answer on, 60-85% of the tokens a recall displaces came in at an earlier recall of the same answer (session 51, Qwen2.5
+answer on, 60-85% of the tokens a recall displaces came in at an earlier recall of the same answer (bf57031, 2026-12-06, Qwen2.5
 at 8k): pages go out and come back as the last four tokens' queries change. And with the facts pinned resident
-(benchmarks/research/pinned_oracle.py, session 53), SmolLM2 keeps 8 of the full cache's 8 held-out right answers
+(benchmarks/research/pinned_oracle.py, 71ba177, 2026-12-06), SmolLM2 keeps 8 of the full cache's 8 held-out right answers
 without recall and 5 with it: the recall's own swaps cost answers. RecallConfig's research option ``margin``: the read
 pages' weights are divided by ``margin`` before the decision, so that a stored page comes in only when it is attended
 about ``margin`` times more than the resident pages it displaces (at every recall, a turn's and a decoding one).
-A scratch run of session 53 with the same division (margin 4) answered 5 of SmolLM2's 18 tune questions (recall: 4);
+A scratch run of 2026-12-06 with the same division (margin 4) answered 5 of SmolLM2's 18 tune questions (recall: 4);
 that is why 4 is a candidate, and its tune rows are run again here. recall-margin2 and recall-margin4 against
 round 11's recall rows (commit db9131a, whose recall code path is this commit's with margin 1), on the follow-up
 part's tune split and the fidelity part, SmolLM2 and Gemma 3. A margin goes on to the held-out split (three
@@ -261,9 +261,16 @@ CONFIGS = {"evicted": False, "recall": True, "recall-turn8": {"turn_pages": 8}, 
 # commit 7648b6d
 
 
+# research oracles compose the product's policies through this: a function Policy -> Policy applied to every
+# runtime's policy (benchmarks/research/pinned_oracle.py pins facts resident with it); None: the policy as it is
+WRAP = None
+
+
 def _runtime(model: str, n_ctx: int, recall):
-    return ek.EntroKVLlama(str(ek.models.model_path(model)), n_ctx=n_ctx, n_batch=512, n_ubatch=512, budget=BUDGET,
-                           recall=recall, verbose=False, seed=0, n_threads=H.threads(), n_threads_batch=H.threads())
+    policy = ek.policy_for(ek.EvictionConfig(budget=BUDGET))
+    return ek.EntroKVLlama(str(ek.models.model_path(model)), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+                           eviction=WRAP(policy) if WRAP is not None else policy, recall=recall, verbose=False, seed=0,
+                           n_threads=H.threads(), n_threads_batch=H.threads())
 
 
 def _since(rep: dict, before: dict) -> dict:

@@ -33,8 +33,16 @@ def sign_test(wins: int, losses: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
 
 
+RESEARCH_PARTS = ("variants", "variants_peers", "agnostic")     # written by benchmarks/research/ scripts
+
+
 def _load(results: Path, part: str):
+    """A part's results: ``results/<part>.json``; a research part's, where it is not there, from the research
+    results beside them (benchmarks/research/results for benchmarks/results)."""
     f = results / f"{part}.json"
+    research = results.parent / "research" / "results" / f"{part}.json"
+    if not f.exists() and part in RESEARCH_PARTS and research.exists():
+        f = research
     return json.loads(f.read_text()) if f.exists() else None
 
 
@@ -914,7 +922,7 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
          f"({m['machine']['cores']} cores" + (f"; ggml built with {m['machine']['cpu_features']}"
          if m["machine"].get("cpu_features") else "") + f"), Python {m['machine']['python']}. Models: " +
          ", ".join(f"{k} (`{v['file']}`, sha256 `{v['sha256'][:12]}...`)" for k, v in m["models"].items()) + ". "
-         "Results: `benchmarks/results/*.json`. Time per part: " +
+         "Results: `benchmarks/results/*.json` (the research judges': `benchmarks/research/results/`). Time per part: " +
          ", ".join(f"{k} {_part_seconds(v) / 60:.1f} min" for k, v in parts.items() if v) +
          (f"; {total_seconds / 60:.1f} min in all" if total_seconds else
           f"; {sum(_part_seconds(v) for k, v in parts.items() if v and k != 'variants') / 60:.1f} min for the "
@@ -946,7 +954,7 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
     for p, d in parts.items():
         if d is None and p == "variants":
             s.append("## 7. Beyond the paper: entrokv-edge\n\nNot in this report: `python benchmarks/research/variants.py` "
-                     "writes its results (results/variants.json).\n\n")
+                     "writes its results (research/results/variants.json).\n\n")
         elif d is None:
             s.append(f"## {p}\n\nNot run in this report.\n" + (agnostic_section(agnostic) if p == "fidelity" and
                                                                   agnostic else "") + "\n")

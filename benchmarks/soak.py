@@ -112,14 +112,19 @@ class SoakLlama(ek.EntroKVLlama, _Probe):
         super().__init__(path, **kw)
         self.oracle, self.mirror, self.pending = oracle, Mirror(), None
         self.checks: list[dict] = []
+        self._before = None
+        self.events.listen("evicting", self._evicting)
+        self.events.listen("evicted", self._evicted)
 
-    def _evict(self, n_keep=None, **kw):
+    def _evicting(self, rt, controller, scores, aside) -> None:
         before = state_blob(self)
         pos = parse_cache(before).pos
         geo = ek.geometry(self)
-        table = self.mirror.table(pos, geo.n_slots)
-        res = super()._evict(n_keep, **kw)
-        kept = res.positions.reshape(geo.n_slots, -1)
+        self._before = (before, pos, geo, self.mirror.table(pos, geo.n_slots))
+
+    def _evicted(self, rt, controller, result) -> None:
+        before, pos, geo, table = self._before
+        kept = result.positions.reshape(geo.n_slots, -1)
         sel = np.stack([np.searchsorted(row, k) for row, k in zip(table, kept)])
         assert np.array_equal(np.take_along_axis(table, sel, 1), kept), "a kept position the cache did not hold"
         want = oracle_blob(before, geo, sel.astype(np.int32))
@@ -128,7 +133,6 @@ class SoakLlama(ek.EntroKVLlama, _Probe):
                             "table_equal": bool(np.array_equal(ek.true_positions(self)[:, : kept.shape[1]], kept))})
         self.mirror.evicted(kept, self.n_tokens)
         self.pending = want
-        return res
 
     def compare(self, tokens: list[int], n_past: int) -> None:
         """Load the oracle's blob into the second context, evaluate the same tokens there (the same
@@ -191,7 +195,7 @@ def summary(llm: SoakLlama, turns, decoded: int, rss: list[float], heap: list[fl
             secs: float) -> dict:
     checks = llm.checks
     return {"turns": len(turns), "prompt_tokens": sum(map(len, turns)), "decoded_tokens": decoded,
-            "logical_tokens": llm.n_tokens, "kv_cells": llm.kv_cells, "evictions": llm.n_evictions,
+            "logical_tokens": llm.n_tokens, "kv_cells": llm.kv_cells, "evictions": llm.stats.evictions,
             "checked": sum("max_logit_diff" in c for c in checks),
             "blob_equal": sum(c["blob_equal"] for c in checks), "table_equal": sum(c["table_equal"] for c in checks),
             "max_logit_diff": max((c.get("max_logit_diff", 0.0) for c in checks), default=0.0),

@@ -1,9 +1,11 @@
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+ROOT = Path(__file__).resolve().parent.parent
 
 import entrokv_edge  # noqa: E402,F401  (binds llama_cpp to the patched library first)
 from synth import write_model  # noqa: E402
@@ -37,3 +39,24 @@ def gemma3():
 def qwen25():
     from entrokv_edge.models import model_path
     return model_path("qwen2.5-coder-0.5b")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/research/ is marked ``research`` (the judges behind the defaults): ``pytest -q`` runs
+    them with the rest, ``-m "not research"`` leaves them out."""
+    research = Path(__file__).resolve().parent / "research"
+    for item in items:
+        if research in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.research)
+
+
+@pytest.fixture(scope="session")
+def quick(tmp_path_factory, smollm2, gemma3):
+    """The evidence suite's quick mode on SmolLM2 and Gemma 3, once per run (the evidence tests and the research
+    judges read it)."""
+    out = tmp_path_factory.mktemp("evidence")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "evidence.py"), "--quick", "--out", str(out),
+                        "--report", str(out / "REPORT.md"), "--models", "smollm2-135m", "gemma3-270m"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import entrokv_edge as ek
 from entrokv_edge.bindings import select_pages_native
-from entrokv_edge.bindings.native import _api, context_pointer
+from entrokv_edge.bindings.native import c_api, context_pointer
 from entrokv_edge.bindings.observe import _view
 from entrokv_edge.controller import EvictionConfig
 from entrokv_edge.controller.policies import select
@@ -135,10 +135,10 @@ class ObserverTarget:
         self.a, self.b = make_llm(path, n_ctx=n_ctx, n_threads=1), make_llm(path, n_ctx=n_ctx, n_threads=1)
         self.n_ubatch = n_ctx
         self.seen: list[tuple] = []
-        ffi, _ = _api()
+        ffi, _ = c_api()
 
         def on_scores(_ud, s):
-            v = _view(ffi, s)
+            v = _view(s)
             sums = v.scores.sum(-1, dtype=np.float64)
             self.seen.append((v.window, v.n_tokens, v.pos_last, bool(np.allclose(sums, 1.0, atol=1e-4)),
                               bool((v.scores >= 0).all())))
@@ -153,7 +153,7 @@ class ObserverTarget:
         self.seen.clear()
 
     def set_window(self, w: int) -> int:
-        ffi, lib = _api()
+        ffi, lib = c_api()
         return lib.llama_entrokv_set_observer(context_pointer(self.a), w, self.cb if w else ffi.NULL, ffi.NULL)
 
 
@@ -161,7 +161,7 @@ def check_observer(t: ObserverTarget, ops, seed: int) -> str:
     """Replay ops on `a` (and the decodes on `b`): a refused window leaves the current one; a
     ubatch of >= window tokens is observed once, with its size, last position and scores that
     are distributions; observing never changes the logits."""
-    _, lib = _api()
+    _, lib = c_api()
     t.reset()
     rng = np.random.default_rng(seed)
     active, want, kinds = 0, [], []

@@ -67,7 +67,7 @@ def main(endpoint: str, model: str, out: str) -> None:
                 break
         res[f"long/{pname}/tokens"] = np.array(out_toks)
         res[f"long/{pname}/n_prompt"] = np.array(len(llm.tokenize(LONG)))
-        res[f"long/{pname}/evictions"] = np.array(llm.n_evictions)
+        res[f"long/{pname}/evictions"] = np.array(llm.stats.evictions)
         llm.close()
     np.savez(out, **res)
 

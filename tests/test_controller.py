@@ -112,7 +112,7 @@ def test_scores_by_position_against_a_cell_by_cell_reference():
     every other position 0; and which positions each group still holds. Random cells, some
     empty, observations that saw other (and later) positions, duplicates."""
     from types import SimpleNamespace
-    from entrokv_edge.controller.controller import EvictionController
+    from entrokv_edge.runtime.eviction import EvictionController
     rng = np.random.default_rng(11)
     for _ in range(60):
         L, G, r = (int(x) for x in rng.integers(1, 4, size=3))

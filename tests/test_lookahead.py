@@ -7,7 +7,7 @@ import pytest
 import entrokv_edge as ek
 from entrokv_edge.controller import select
 from entrokv_edge.bindings.observe import head_slots
-from entrokv_edge.controller.lookahead import lookahead_scores
+from entrokv_edge.runtime.drafts import lookahead_scores
 from entrokv_edge.controller.pages import pages_to_positions
 from helpers import logits, make_llm, state_blob
 from llama_cpp import llama_cpp as C
@@ -137,7 +137,7 @@ def test_controller_and_runtime_evict_with_the_mixed_scores(synth_models):
     rt = ek.EntroKVLlama(str(path), n_ctx=256, n_batch=256, n_ubatch=256, type_k=0, type_v=0, verbose=False,
                          seed=0, n_threads=2, eviction=cfg)
     rt.eval(toks.tolist())
-    assert rt.n_evictions == 1 and rt.n_tokens == n
+    assert rt.stats.evictions == 1 and rt.n_tokens == n
     np.testing.assert_array_equal(rt.last_eviction.positions, want)
     np.testing.assert_array_equal(logits(rt), logits(twin))   # the prompt's logits, restored after the draft
 

@@ -296,8 +296,8 @@ def test_an_all_zero_head_ties_its_full_pages_and_the_lowest_win_in_both_selecto
 def test_the_c_defaults_and_the_bindings_take_the_configurations_settings():
     """Page-EntroKV's settings live in EvictionConfig: the C library's default parameters (for C
     callers) hold the same values, and the bindings fill what a caller leaves out from the config."""
-    from entrokv_edge.bindings.native import _api
-    _, lib = _api()
+    from entrokv_edge.bindings.native import c_api
+    _, lib = c_api()
     p = lib.llama_entrokv_default_params()
     cfg = EvictionConfig(policy="page-entrokv")
     assert (p.page_size, p.sinks, p.recent, p.tau, p.page_max) == (cfg.page_size, cfg.sinks, cfg.rho, cfg.tau, 0)

@@ -61,21 +61,19 @@ def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, w
     llm = ek.EntroKVLlama(model, n_ctx=256, recall=recall, type_k=type_k, type_v=type_k, flash_attn=type_k == 8,
                           **SETTINGS)
     before = {}
-    on_evict = llm.recall.on_evict
 
-    def spy(l, tp, cells):                       # what every slot holds just before the eviction
-        tp = ek.true_positions(l) if tp is None else tp
-        before["rows"] = slot_rows(l, tp)
-        on_evict(l, tp, cells)
-    llm.recall.on_evict = spy
+    def spy(rt, true_pos, cells):                # what every slot holds just before the eviction
+        tp = ek.true_positions(rt) if true_pos is None else true_pos
+        before["rows"] = slot_rows(rt, tp)
+    llm.events.listen("compacting", spy)
     llm.eval(prompt(200, 1))                     # fits the cache: one eviction, after the prompt
-    assert llm.n_evictions == 1 and llm.recall.store.n_tokens == 200 - 64
+    assert llm.stats.evictions == 1 and llm.recall.store.n_tokens == 200 - 64
     r0 = llm.kv_report()["recall"]["recalls"]
     assert r0 == 2                               # the turn's recall after the eviction (lookahead on), its draft's
     evicted_to = ek.true_positions(llm)[:, :64].copy()
     decode(llm, 40)                              # 40 more cells: no second eviction, 20 recalls
     rep = llm.kv_report()["recall"]
-    assert llm.n_evictions == 1 and rep["recalls"] == r0 + 20 and rep["recalled_tokens"] > 0
+    assert llm.stats.evictions == 1 and rep["recalls"] == r0 + 20 and rep["recalled_tokens"] > 0
     g = ek.geometry(llm)
     tp = ek.true_positions(llm)
     now = slot_rows(llm, tp[:, : g.n_compacted])
@@ -95,8 +93,8 @@ def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, w
     assert (np.sort(tp[:, :64], 1) != np.sort(evicted_to, 1)).any(axis=1).sum() > g.n_slots // 2   # pages came back
     # the resident keys kept between recalls ([S, n, d]) are the compacted cells' keys, as read now
     k, _ = read_cells(llm, [np.arange(64, dtype=np.int32)] * g.n_slots, keys_only=True)
-    assert np.array_equal(llm.recall._keys, st.keys(np.stack(k)))
-    assert np.array_equal(llm.recall._keys_pos, tp[:, :64])
+    assert np.array_equal(llm.recall.keys.keys, st.keys(np.stack(k)))
+    assert np.array_equal(llm.recall.keys.pos, tp[:, :64])
     # the entry table kept through the swaps is the one built afresh from the positions
     table = st.table().copy()
     st._table = None
@@ -117,7 +115,7 @@ def test_generation_with_recall_goes_on_across_evictions(model, where, tmp_path)
                           **SETTINGS)
     llm.eval(prompt(600, 2))
     decode(llm, 400)                             # past the cache several times
-    assert llm.n_evictions >= 3 and llm.kv_report()["recall"]["recalled_tokens"] > 0
+    assert llm.stats.evictions >= 3 and llm.kv_report()["recall"]["recalled_tokens"] > 0
     assert_each_position_once(llm, 1000)
 
 
@@ -165,7 +163,7 @@ def test_a_recall_on_the_decodes_own_attention_decides_as_the_attention_computed
     b.recall.steps = [(q, p, None) for q, p, _ in b.recall.steps]
     na, nb = a.recall.step(a), b.recall.step(b)
     assert na == nb > 0
-    assert (a.recall.n_from_decode, b.recall.n_from_decode) == (1, 0)
+    assert (a.stats.recalls_on_decode, b.stats.recalls_on_decode) == (1, 0)
     assert a.kv_report()["recall"]["recalls_on_decode_attention"] == 1
     assert np.array_equal(ek.true_positions(a), ek.true_positions(b))
     assert np.array_equal(a.recall.store.pos, b.recall.store.pos)
@@ -181,23 +179,19 @@ def test_a_recall_on_the_decodes_own_attention_decides_as_the_attention_computed
     assert all(np.array_equal(x[2].reshape(r.shape), r) for x, r in zip(a.recall.steps, saved["recall_rows"]))
 
 
-def test_a_recall_with_a_held_draft_takes_the_decoded_tokens_attention_from_the_decode(model, tmp_path, monkeypatch):
+def test_a_recall_with_a_held_draft_takes_the_decoded_tokens_attention_from_the_decode(model, tmp_path):
     """A decoding recall whose queries include a held draft (not decoded, so without the decode's attention)
     takes the decoded tokens' attention from the decode and computes only the draft's. On an F32 cache the
     plan sees the same attention and log-sum-exps (to rounding), and moves the same tokens into the same
     cells, as the same session with every query's attention computed."""
-    from entrokv_edge.runtime import recall as R
     seen = []
 
-    def plan(st, ss, q, att, lse, *rest):
-        scale = rest[-1]
-        seen.append((ss.copy(), att * (1.0 if scale is None else scale[..., None]), lse.copy()))
-        return R_plan(st, ss, q, att, lse, *rest)
-    R_plan = R.plan
-    monkeypatch.setattr(R, "plan", plan)
+    def plan(slots, att, lse, scale):            # what each plan receives
+        seen.append((slots.copy(), att * (1.0 if scale is None else scale[..., None]), lse.copy()))
     kw = {**SETTINGS, "type_k": 0, "type_v": 0}
     rc = {**RECALL, "every": 4096, "turn_draft": 6}         # no recall until the test asks for one
     a = ek.EntroKVLlama(model, n_ctx=256, recall=rc, **kw)
+    a.events.listen("recall_inputs", plan)
     a.eval(prompt(200, 4))
     decode(a, 5)
     a.eval(prompt(10, 5))                                   # a turn: its draft is held
@@ -207,8 +201,9 @@ def test_a_recall_with_a_held_draft_takes_the_decoded_tokens_attention_from_the_
     a.save_session(tmp_path / "s.entrokv")
     b = ek.EntroKVLlama(model, n_ctx=256, recall=rc, **kw)
     b.load_session(tmp_path / "s.entrokv")
+    b.events.listen("recall_inputs", plan)
     b.recall.steps = [(q, p, None) for q, p, _ in b.recall.steps]
-    before = (a.recall.n_from_decode, b.recall.n_from_decode)
+    before = (a.stats.recalls_on_decode, b.stats.recalls_on_decode)
     seen.clear()                                            # (the turns' recalls)
     na = a.recall.step(a)
     got, seen[:] = list(seen), []
@@ -218,7 +213,7 @@ def test_a_recall_with_a_held_draft_takes_the_decoded_tokens_attention_from_the_
         assert np.array_equal(s1, s2) and att1.shape[1] == 6     # 3 decoded tokens, then the draft's 3 ahead
         assert np.allclose(att1, att2, rtol=1e-4, atol=1e-6) and np.allclose(lse1, lse2, atol=1e-4)
     assert na == nb > 0
-    assert (a.recall.n_from_decode - before[0], b.recall.n_from_decode - before[1]) == (1, 0)
+    assert (a.stats.recalls_on_decode - before[0], b.stats.recalls_on_decode - before[1]) == (1, 0)
     assert np.array_equal(ek.true_positions(a), ek.true_positions(b))
     assert np.array_equal(a.recall.store.pos, b.recall.store.pos)
 
@@ -234,30 +229,30 @@ def test_steps_loaded_past_every_keep_their_attention_as_the_buffer_grows(model,
     b = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "every": 4, "hold_draft": False}, **kw)
     b.load_session(tmp_path / "s.entrokv")
     assert len(b.recall.steps) == 6 and b.recall._att.shape[1] == 6
-    n0 = b.recall.n_from_decode
+    n0 = b.stats.recalls_on_decode
     decode(b, 1)                                  # a 7th step (the buffer grows), then the recall it makes due
-    assert b.recall.n_recalls >= 1 and b.recall.n_from_decode == n0 + 1
+    assert b.stats.recalls >= 1 and b.stats.recalls_on_decode == n0 + 1
 
 
-def test_the_decoded_steps_attention_is_kept_within_its_bound(model, monkeypatch):
+def test_the_decoded_steps_attention_is_kept_within_its_bound(model):
     """The decoded steps keep their attention only while every step since the last recall has it and their
-    bytes stay within ROWS_BYTES; past it the earlier steps' are dropped too and the recall computes it."""
-    from entrokv_edge.runtime import recall as R
+    bytes stay within the recall's rows_bytes; past it the earlier steps' are dropped too and the recall
+    computes it."""
     a = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "every": 4096, "hold_draft": False}, **SETTINGS)
     a.eval(prompt(500, 4))
     decode(a, 2)
     one = a.recall.steps[0][2].nbytes
     assert all(x[2] is not None for x in a.recall.steps)
-    monkeypatch.setattr(R, "ROWS_BYTES", 3 * one)
+    a.recall.rows_bytes = 3 * one
     decode(a, 1)
     assert all(x[2] is not None for x in a.recall.steps) and len(a.recall.steps) == 3
     decode(a, 1)
     assert len(a.recall.steps) == 4 and all(x[2] is None for x in a.recall.steps)
-    assert a.recall.step(a) > 0 and a.recall.n_from_decode == 0
-    # the steps' attention is kept in one buffer, which never takes more than ROWS_BYTES, whatever `every` is
+    assert a.recall.step(a) > 0 and a.stats.recalls_on_decode == 0
+    # the steps' attention is kept in one buffer, which never takes more than rows_bytes, whatever `every` is
     a.recall._att = None
     decode(a, 1)
-    assert a.recall.steps[0][2] is not None and a.recall._att.nbytes <= R.ROWS_BYTES
+    assert a.recall.steps[0][2] is not None and a.recall._att.nbytes <= a.recall.rows_bytes
 
 
 def test_recall_settings_are_checked(model):
@@ -298,7 +293,6 @@ def test_a_held_draft_joins_the_decoding_recalls_until_the_answer_passes_it(mode
     """hold_draft (on by default): after a turn's draft, each decoding recall's queries are the tokens
     decoded since the last recall plus the draft's queries at positions not decoded yet, and the draft
     is dropped once the answer has passed it; a session saved mid-answer keeps it."""
-    from entrokv_edge.runtime import recall as R
     llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 6}, **SETTINGS)
     llm.eval(prompt(200, 4))
     decode(llm, 5)
@@ -307,15 +301,12 @@ def test_a_held_draft_joins_the_decoding_recalls_until_the_answer_passes_it(mode
     hq, hpos = llm.recall.held
     assert hq.shape[1] == 6 and np.array_equal(hpos, np.arange(n, n + 6))
     seen = []
-    exact = R.Recall._exact
-    R.Recall._exact = lambda self, l, q, qpos, N, att=None: (seen.append((q.copy(), qpos.copy(), att)),
-                                                             exact(self, l, q, qpos, N, att))[1]
-    try:
-        decode(llm, 2)                                        # every=2: one recall, after positions n, n + 1
-        llm.save_session(tmp_path / "s.entrokv")
-        decode(llm, 6)
-    finally:
-        R.Recall._exact = exact
+    stop = llm.events.listen("recalling", lambda queries, qpos, n_pages, att: seen.append((queries.copy(), qpos.copy(),
+                                                                                          att)))
+    decode(llm, 2)                                            # every=2: one recall, after positions n, n + 1
+    llm.save_session(tmp_path / "s.entrokv")
+    decode(llm, 6)
+    stop()
     q, qpos, att = seen[0]
     assert qpos.tolist() == [n, n + 1, n + 2, n + 3, n + 4, n + 5]        # decoded, then the draft ahead
     # the decoded tokens' attention as the decode computed it; the draft's (not decoded) is computed
@@ -337,19 +328,15 @@ def test_turn_requery_evaluates_the_window_again_on_the_recalled_cache(model):
     evaluated again on the recalled cache and its new queries drive a second recall. Layer 0's queries do
     not depend on the cache (the same both times); deeper layers' do. The cache keeps every position once
     and the last logits are the last token's on the cache as finally recalled."""
-    from entrokv_edge.runtime import recall as R
     llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "turn_draft": 0}, **SETTINGS)
     llm.eval(prompt(200, 4))
     decode(llm, 5)
     n0, recalls = llm.n_tokens, llm.kv_report()["recall"]["recalls"]
     seen = []
-    exact = R.Recall._exact
-    R.Recall._exact = lambda self, l, q, qpos, N: (seen.append((q.copy(), qpos.copy())), exact(self, l, q, qpos, N))[1]
+    stop = llm.events.listen("recalling", lambda queries, qpos, n_pages, att: seen.append((queries.copy(), qpos.copy())))
     turn = prompt(10, 5)                                      # shorter than the window: observed whole
-    try:
-        llm.eval(turn)
-    finally:
-        R.Recall._exact = exact
+    llm.eval(turn)
+    stop()
     assert len(seen) == 2 and llm.kv_report()["recall"]["recalls"] == recalls + 2
     (q1, p1), (q2, p2) = seen
     assert np.array_equal(p1, np.arange(n0, n0 + 10)) and np.array_equal(p1, p2)
@@ -415,7 +402,7 @@ def test_a_follow_up_question_brings_back_the_fact_the_first_turn_evicted(smollm
         msgs += [r["choices"][0]["message"], {"role": "user", "content": "What is the password for the blue safe?"}]
         llm.create_chat_completion(msgs, max_tokens=1, temperature=0)     # the turn, then one token
         held[recall] = (before, int(np.isin(ek.true_positions(llm), list(fact)).sum()))
-        assert llm.n_evictions >= 1
+        assert llm.stats.evictions >= 1
     assert held[False][1] <= held[False][0]                # without recall: nothing comes back
     assert held[True][1] > held[True][0] + 10, held        # the question's recall brings the digits back
 
@@ -455,7 +442,8 @@ def reference_plan(st, s, q, att, lse_res, tp, protect, P, N):
 
 def test_the_plan_of_all_slots_matches_a_plain_one_slot_plan():
     """recall.plan over all slots at once against reference_plan."""
-    from entrokv_edge.runtime.recall import Store, plan
+    from entrokv_edge.runtime.recall.swap import plan
+    from entrokv_edge.runtime.store import Store
     rng = np.random.default_rng(0)
     S, I, r, d, P, page, N, n = 6, 4, 3, 8, 4, 16, 5, 640
     st = Store(S, page, "f32", 4 * d, 4 * d, d)
@@ -711,7 +699,7 @@ def test_a_file_store_reads_and_writes_the_rows_a_memory_store_does(tmp_path):
     against _Rows in memory: the same segments, random gathers in any order and with repeats, and
     scatters, give the same bytes."""
     import tempfile
-    from entrokv_edge.runtime.recall import _Rows
+    from entrokv_edge.runtime.store import _Rows
     rng = np.random.default_rng(3)
     with tempfile.TemporaryFile(dir=tmp_path) as f:
         mem, fil = _Rows(5, 24), _Rows(5, 24, f)
@@ -741,7 +729,7 @@ def test_a_store_whose_file_cannot_grow_stays_as_it_was(tmp_path):
     import sys
     code = f"""
 import resource, signal, numpy as np
-from entrokv_edge.runtime.recall import Store
+from entrokv_edge.runtime.store import Store
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 st = Store(3, 4, "f32", 32, 32, 8, directory={str(tmp_path)!r})
 rng = np.random.default_rng(0)

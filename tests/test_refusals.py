@@ -86,8 +86,8 @@ def test_pending_k_shift_is_refused(pair):
 
 def test_unknown_flags_and_null_context_are_refused(pair):
     a, _ = pair
-    from entrokv_edge.bindings.native import _api, context_pointer
-    ffi, lib = _api()
+    from entrokv_edge.bindings.native import c_api, context_pointer
+    ffi, lib = c_api()
     lens = np.full(ek.geometry(a).n_slots, 10, np.int32)
     cells = _good(ek.geometry(a)).ravel().astype(np.int32)
     rc = lib.llama_entrokv_compact(context_pointer(a), 0, len(lens), ffi.from_buffer("int32_t[]", lens),

@@ -6,42 +6,41 @@ import pytest
 
 import entrokv_edge as ek
 from entrokv_edge.bindings import read_cells
-from entrokv_edge.controller.reselect import UnionScores, resident
-from entrokv_edge.runtime.recall import Store
+from entrokv_edge.runtime.reselect import UnionScores, resident
+from entrokv_edge.runtime.store import Store
 from helpers import logits
 from test_runtime import SETTINGS, model, prompt  # noqa: F401 - the synthetic model fixture, its settings, prompts
 
 
-def final_evictions(monkeypatch):
-    """Spy on EvictionController.evict: for each eviction given set-aside tokens, what the cache and the store
-    held just before it (true positions, rows) and its result."""
+def final_evictions(llm):
+    """Watch ``llm``'s evictions: for each eviction given set-aside tokens, what the cache and the store held
+    just before it (true positions, rows) and its result."""
     seen = []
-    evict = ek.EvictionController.evict
 
-    def spy(self, llm, scores, **kw):
-        st = kw.get("aside")
-        if st is not None:
-            tp = ek.true_positions(llm)
+    def evicting(rt, controller, scores, aside):
+        if aside is not None:
+            st, tp = aside, ek.true_positions(rt)
             stored = [{int(p): (st.k[s][j].tobytes(), st.v[s][j].tobytes()) for j, p in enumerate(st.pos[s])}
                       for s in range(tp.shape[0])]
-            seen.append({"tp": tp, "stored": stored, "scores": scores, "n": int(ek.geometry(llm).pos_max) + 1,
+            seen.append({"tp": tp, "stored": stored, "scores": scores, "n": int(ek.geometry(rt).pos_max) + 1,
                          "digest_bytes": st.nbytes()["digests"]})
-        res = evict(self, llm, scores, **kw)
-        if st is not None:
-            seen[-1]["res"] = res
-        return res
-    monkeypatch.setattr(ek.EvictionController, "evict", spy)
+
+    def evicted(rt, controller, result):
+        if seen and "res" not in seen[-1]:
+            seen[-1]["res"] = result
+    llm.events.listen("evicting", evicting)
+    llm.events.listen("evicted", evicted)
     return seen
 
 
 @pytest.mark.parametrize("type_k,chunk", [(0, None), (1, None), (1, 7)], ids=["f32", "f16", "f16-chunks"])
-def test_a_reselect_brings_set_aside_tokens_back_with_their_exact_rows(model, type_k, chunk, monkeypatch):
-    if chunk:       # the rows move a few slots at a time: here a slot or two per step
-        import functools
-        import entrokv_edge.controller.controller as C
-        monkeypatch.setattr(C, "swap_in", functools.partial(C.swap_in, chunk_rows=chunk))
-    seen = final_evictions(monkeypatch)
-    llm = ek.EntroKVLlama(model, n_ctx=256, type_k=type_k, type_v=type_k, **SETTINGS)
+def test_a_reselect_brings_set_aside_tokens_back_with_their_exact_rows(model, type_k, chunk):
+    settings = {k: v for k, v in SETTINGS.items() if k in ("budget", "page_size", "window")}
+    runtime = {k: v for k, v in SETTINGS.items() if k not in settings}
+    # with chunk, the rows move a few slots at a time: here a slot or two per step
+    controller = ek.EvictionController(ek.EvictionConfig(**settings), **({"swap_rows": chunk} if chunk else {}))
+    llm = ek.EntroKVLlama(model, n_ctx=256, type_k=type_k, type_v=type_k, eviction=controller, **runtime)
+    seen = final_evictions(llm)
     llm.eval(prompt(1000, 3))
     rep = llm.kv_report()
     assert len(seen) == 1 and rep["evictions"] >= 4                # only the eviction after the prompt reselects
@@ -70,14 +69,14 @@ def test_a_reselect_brings_set_aside_tokens_back_with_their_exact_rows(model, ty
     assert llm.n_tokens == 1020
 
 
-def test_the_union_scores_are_the_observers_attention_over_the_same_keys(model, monkeypatch):
+def test_the_union_scores_are_the_observers_attention_over_the_same_keys(model):
     """Scored over the cache's own tokens, some of them moved into a store, the union's scores equal the window
     scores the observer computed inside llama.cpp (no draft: its tokens' keys are gone when a reselect scores)."""
     checked = []
-    evict = ek.EvictionController.evict
 
-    def spy(self, llm, ws, **kw):
-        if kw.get("aside") is not None:           # the cache as the eviction after the prompt finds it
+    def spy(rt, controller, scores, aside):
+        llm, ws = rt, scores
+        if aside is not None:                     # the cache as the eviction after the prompt finds it
             g, tp = ek.geometry(llm), ek.true_positions(llm)
             n, m = g.pos_max + 1, 20                  # the first m cells of each slot go to a store of their own
             k, v = read_cells(llm, [np.arange(m, dtype=np.int32)] * g.n_slots, g, buffers=True)
@@ -94,9 +93,8 @@ def test_the_union_scores_are_the_observers_attention_over_the_same_keys(model, 
                 want = ek.EvictionController._layer_scores_by_position(ws, present, l, n, H, H // present.shape[1])
                 assert np.allclose(union.layer(l), want, rtol=1e-4, atol=1e-7), l
             checked.append(L)
-        return evict(self, llm, ws, **kw)
-    monkeypatch.setattr(ek.EvictionController, "evict", spy)
     llm = ek.EntroKVLlama(model, n_ctx=256, type_k=0, type_v=0, lookahead=0, **SETTINGS)
+    llm.events.listen("evicting", spy)
     llm.eval(prompt(1000, 4))
     assert checked and checked[0] > 0
 

@@ -167,8 +167,8 @@ def test_refused_writes_leave_the_cache_and_table_untouched(synth_models):
     with pytest.raises(ValueError, match="cell lists"):
         write_cells(a, [[0, 1]] * (ns - 1), evicted[:-1], k[:-1], v[:-1])
     # a swap without a buffer for the rows it overwrites (the C call directly)
-    from entrokv_edge.bindings.native import _api, context_pointer
-    ffi, lib = _api()
+    from entrokv_edge.bindings.native import c_api, context_pointer
+    ffi, lib = c_api()
     lens, flat = np.full(ns, 2, np.int32), np.tile(np.array([0, 1], np.int32), ns)
     kk, vv = np.concatenate([x.ravel() for x in k]), np.concatenate([x.ravel() for x in v])
     tpos = np.concatenate(evicted).astype(np.int32)
@@ -228,7 +228,7 @@ def test_rows_to_float_converts_exact_types_as_ggml_does(type_name):
     """F32 / BF16 rows convert in numpy, F16 in our C (F16C where the CPU has it; the recall's hot path);
     every bit pattern of a 16-bit type, and random F32 words, must give the floats ggml's own conversion
     gives (NaNs as NaNs), and F16 numpy's own cast too (ggml's F16 call is ours)."""
-    from entrokv_edge.bindings.native import _ggml_to_float, rows_to_float
+    from entrokv_edge.bindings.rows import _ggml_to_float, rows_to_float
     if type_name == "f32":
         words = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
         words[:4] = [0, 0x80000000, 0x7F800000, 0x00000001]          # zeros, inf, a subnormal

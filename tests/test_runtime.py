@@ -24,8 +24,8 @@ def test_a_prompt_four_times_the_cache_runs_and_generation_never_overflows(model
     toks = prompt(1000)
     llm.eval(toks)
     rep = llm.kv_report()
-    assert llm.n_tokens == 1000 and rep["logical_tokens"] == 1000 and llm.n_evictions >= 4
-    assert rep["evictions"] == llm.n_evictions and rep["eviction_s"] > 0
+    assert llm.n_tokens == 1000 and rep["logical_tokens"] == 1000 and llm.stats.evictions >= 4
+    assert rep["evictions"] == llm.stats.evictions and rep["eviction_s"] > 0
     assert rep["kept_tokens"] == 64 == ek.geometry(llm).n_used                 # the budget, exactly
     assert rep["kv_bytes_kept"] * 1000 == rep["kv_bytes_full"] * 64
     tp = ek.true_positions(llm)[:, :64]
@@ -47,19 +47,13 @@ def test_streaming_equals_non_streaming_with_greedy_sampling(smollm2):
     streamed = "".join(c["choices"][0]["text"] for c in b.create_completion(toks, max_tokens=150, temperature=0.0,
                                                                               stream=True))
     assert full == streamed and len(full) > 0
-    assert a.n_evictions == b.n_evictions >= 2
+    assert a.stats.evictions == b.stats.evictions >= 2
 
 
 def test_chat_turns_append_and_an_edited_history_is_re_evaluated(model):
     llm = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
     seen = []
-    original_eval = ek.EntroKVLlama.eval
-
-    def spy(self, tokens):
-        seen.append(len(list(tokens)))
-        return original_eval(self, tokens)
-
-    llm.eval = spy.__get__(llm)
+    llm.events.listen("eval", lambda rt, tokens: seen.append(len(tokens)))      # every call of eval, generate's too
     turn1 = prompt(400, 2)
     gen = llm.generate(turn1, top_k=1, temp=0.0)
     reply = [next(gen) for _ in range(10)]
@@ -98,7 +92,7 @@ def test_saved_sessions_restore_the_same_logits_and_tables(model, tmp_path):
         ta, tb = int(np.argmax(logits(a))), int(np.argmax(logits(b)))
         assert ta == tb
         a.eval([ta]), b.eval([tb])
-    assert np.array_equal(logits(a), logits(b)) and a.n_evictions > 0
+    assert np.array_equal(logits(a), logits(b)) and a.stats.evictions > 0
     with pytest.raises(ValueError, match="not an EntroKV Edge session"):
         (tmp_path / "junk").write_bytes(b"hello")
         b.load_session(tmp_path / "junk")
@@ -156,7 +150,7 @@ def test_a_6k_token_prompt_through_a_1024_cell_cache_keeps_a_fact_from_its_start
     out = llm.create_completion(text, max_tokens=6, temperature=0.0)
     assert out["usage"]["prompt_tokens"] > 6000
     assert "BLUEBIRD" in out["choices"][0]["text"]
-    assert ek.geometry(llm).n_used <= 1024 and llm.n_evictions >= 8
+    assert ek.geometry(llm).n_used <= 1024 and llm.stats.evictions >= 8
 
 
 def test_call_stop_sequences_and_sampling_work_as_in_llama_cpp(smollm2):
@@ -170,24 +164,15 @@ def test_call_stop_sequences_and_sampling_work_as_in_llama_cpp(smollm2):
 
 
 @pytest.mark.parametrize("guide_draft", [0, 4])
-def test_a_long_prompt_leaves_room_for_the_drafts_its_evictions_are_scored_with(model, guide_draft, monkeypatch):
+def test_a_long_prompt_leaves_room_for_the_drafts_its_evictions_are_scored_with(model, guide_draft):
     """A prompt read in pieces: every guided eviction drafts after the guide with room for guide_draft tokens,
     and the eviction after the prompt with room for its whole lookahead draft (the pieces leave them the cells;
     a draft may still stop early at an end-of-generation token); the drafts leave nothing behind, and the
     budget holds."""
-    from entrokv_edge.controller import controller as ctl_mod, guide as guide_mod, lookahead as la_mod
     drafts = []
-
-    def spy(llm, scores, k, *a, **kw):
-        room = la_mod.draft_room(llm, ek.geometry(llm))
-        out = la_mod.lookahead_scores(llm, scores, k, *a, **kw)
-        stats = a[1] if len(a) > 1 else kw.get("stats")
-        drafts.append((k, room, stats["drafted"]))
-        return out
-    monkeypatch.setattr(guide_mod, "lookahead_scores", spy)
-    monkeypatch.setattr(ctl_mod, "lookahead_scores", spy)
     cfg = dict(SETTINGS, lookahead=8, guide=16, guide_draft=guide_draft)
     llm = ek.EntroKVLlama(model, n_ctx=256, **cfg)
+    llm.events.listen("drafted", lambda rt, kind, k, room, drafted: drafts.append((k, room, drafted)))
     toks = prompt(1000, seed=3)
     llm.eval(toks)
     rep = llm.kv_report()
@@ -212,23 +197,18 @@ def test_a_long_prompt_leaves_room_for_the_drafts_its_evictions_are_scored_with(
     assert fits.kv_report()["evictions"] == 1 and fits.kv_report()["guided_evictions"] == 0
 
 
-def test_guided_evictions_keep_pages_common_to_every_buffer_and_the_last_eviction_its_own_consensus(model, monkeypatch):
+def test_guided_evictions_keep_pages_common_to_every_buffer_and_the_last_eviction_its_own_consensus(model):
     """guide_consensus: each guided eviction between pieces gives that share of every (layer, group) buffer's free
     pages to pages all buffers keep (the consensus); the eviction after the prompt keeps ``consensus``. Without
     it the buffers share fewer pages than that."""
     seen = []
-    evict = ek.EvictionController.evict
-
-    def spy(self, llm, scores, **kw):
-        res = evict(self, llm, scores, **kw)
-        seen.append((self.config.consensus, res.selection))
-        return res
-    monkeypatch.setattr(ek.EvictionController, "evict", spy)
 
     def shared_pages(guide_consensus):
         """Per guided eviction: (unprotected pages every buffer keeps, free pages per buffer: budget minus protected)."""
         seen.clear()
         llm = ek.EntroKVLlama(model, n_ctx=256, **dict(SETTINGS, guide=16, guide_consensus=guide_consensus))
+        llm.events.listen("evicted", lambda rt, controller, result: seen.append((controller.config.consensus,
+                                                                                 result.selection)))
         llm.eval(prompt(1000, seed=5))
         rep = llm.kv_report()
         assert rep["guided_evictions"] == rep["evictions"] - 1 >= 4 and len(seen) == rep["evictions"]
@@ -252,7 +232,7 @@ def _rss_kib() -> int:
         return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
 
 
-@pytest.mark.skipif(ek.runtime.llama._malloc_trim is None, reason="no malloc_trim in this C library (not glibc)")
+@pytest.mark.skipif(ek.runtime.host._malloc_trim is None, reason="no malloc_trim in this C library (not glibc)")
 def test_an_eviction_gives_the_heaps_free_pages_back_to_the_system(model):
     llm = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
     try:

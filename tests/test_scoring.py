@@ -45,7 +45,7 @@ def check_against_reference(path, toks, flash_attn, type_k, head_dim):
 def test_an_observation_of_the_queries_only(synth_models, fa):
     """llama_entrokv_set_query_observer: the same queries as the captured Qcur (scaled), no
     attention and no cells; the C eviction refuses to run on such an observation."""
-    from entrokv_edge.bindings.native import _api, context_pointer
+    from entrokv_edge.bindings.native import c_api, context_pointer
     cc = CapturingContext(synth_models["llama-r3"], flash_attn=fa, type_k=0)
     toks = np.random.default_rng(5).integers(3, 300, 40)
     try:
@@ -57,7 +57,7 @@ def test_an_observation_of_the_queries_only(synth_models, fa):
         for li, il in enumerate(s.layer_ids):
             qs = cc.captured[f"Qcur-{il}"][T - W:] / np.sqrt(32)
             assert np.abs(s.queries[li] - qs).max() <= 1e-6 * max(1.0, np.abs(qs).max())
-        ffi, lib = _api()
+        ffi, lib = c_api()
         prm = ffi.new("struct llama_entrokv_params *", lib.llama_entrokv_default_params())
         assert lib.llama_entrokv_evict(context_pointer(cc.ctx), 0, prm) == lib.LLAMA_ENTROKV_ERR_INVALID_ARG
         assert b"queries only" in ffi.string(lib.llama_entrokv_last_error())

@@ -140,8 +140,8 @@ def test_interleaved_conversations_continue_from_their_saved_states(server, clie
         assert evaluated <= new + second.usage.completion_tokens + 1      # the history was not read again
     stats = server.get("/entrokv/stats")["conversations"]
     assert 2 <= stats["conversations"] <= 4 and 0 < stats["bytes"] <= stats["max_bytes"]
-    from entrokv_edge import cli
-    ref = cli._load(cli._parser().parse_args(["serve", "-m", MODEL, *map(str, SERVE)]), None)
+    from entrokv_edge import cli, launch
+    ref = launch.load_runtime(cli._parser().parse_args(["serve", "-m", MODEL, *map(str, SERVE)]), None)
     try:
         for n, answer in ((1, a1), (3, a2)):      # the server's default repeat_penalty, in Python
             out = ref.create_chat_completion(a[:n], max_tokens=16, temperature=0, repeat_penalty=1.1)
@@ -295,7 +295,7 @@ def test_bad_serve_input_is_one_clear_line(smollm2, tmp_path, case):
 
 def test_the_conversation_cache_keeps_one_state_per_conversation_within_its_bounds(synth_models):
     import entrokv_edge as ek
-    from entrokv_edge.server import ConversationCache
+    from entrokv_edge.server.app import ConversationCache
     llm = ek.EntroKVLlama(str(synth_models["llama-r3"]), n_ctx=256, budget=64, page_size=8, window=16,
                           verbose=False, seed=0, n_threads=1, n_threads_batch=1)
 

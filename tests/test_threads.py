@@ -21,13 +21,7 @@ def conversation(llm, toks, n_new: int) -> dict:
     """A prompt longer than the cache, then greedy decoding one token at a time: the tokens, their
     logits, every eviction's kept positions, the freshest window scores and the true positions."""
     kept = []
-    evict = llm._evict
-
-    def recording(n_keep=None, **kw):      # (a guided eviction also passes its controller)
-        res = evict(n_keep, **kw)
-        kept.append((llm.n_tokens, res.positions.copy()))
-        return res
-    llm._evict = recording
+    llm.events.listen("evicted", lambda rt, controller, result: kept.append((rt.n_tokens, result.positions.copy())))
     llm.eval(toks)
     out, lgs = [], []
     for _ in range(n_new):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import entrokv_edge as ek
-from entrokv_edge.controller.controller import EvictionController
+from entrokv_edge.runtime.eviction import EvictionController
 from helpers import make_llm, parse_cache, random_keep, state_blob
 from test_compaction import CACHE_CONFIGS, prompt
 
@@ -122,8 +122,8 @@ def test_value_norms_of_freed_cells_are_0_and_the_others_the_states(synth_models
 
 
 def test_value_norms_refuse_a_short_buffer_and_a_null_context(synth_models):
-    from entrokv_edge.bindings.native import _api, context_pointer
-    ffi, lib = _api()
+    from entrokv_edge.bindings.native import c_api, context_pointer
+    ffi, lib = c_api()
     llm = make_llm(synth_models["llama-r2"])
     llm.eval([int(t) for t in prompt(7)])
     g = ek.geometry(llm)

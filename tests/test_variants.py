@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from entrokv_edge import EvictionConfig
 from entrokv_edge.controller.config import EDGE_DEFAULTS, EDGE_OPTIONS, OFF
 from entrokv_edge.controller import select
-from entrokv_edge.controller import policies
-from entrokv_edge.controller.policies import consensus_pages, evictable_collision, group_pool, max_pool, pooled_page_dist
+from entrokv_edge.controller import scoring
+from entrokv_edge.controller.policies import EntropyScorer, ExactBudget
+from entrokv_edge.controller.scoring import consensus_pages, evictable_collision, group_pool, max_pool, pooled_page_dist
 from entrokv_edge.controller.stats import head_page_dist, head_stats
 
 EDGE_OFF = dict(policy="entrokv-edge", **{k: OFF[k] for k in EDGE_OPTIONS})     # every option off
@@ -98,11 +99,7 @@ def test_max_pool_is_the_window_maximum(n, k, spread, decay, chunk, seed):
     rng = np.random.default_rng(seed)
     s = rng.random((2, 3, n))
     fixed = rng.random(n) < 0.2
-    saved, policies._POOL_CHUNK = policies._POOL_CHUNK, chunk
-    try:
-        out = max_pool(s, k, fixed, spread, decay)
-    finally:
-        policies._POOL_CHUNK = saved
+    out = max_pool(s, k, fixed, spread, decay, chunk=chunk)
     half = k // 2 if k > 1 else 0
     src = np.where(fixed, 0.0, s)
     for i in range(n):
@@ -149,11 +146,11 @@ def test_select_keeps_the_same_pages_as_with_the_whole_pooled_copy(n, P, head_po
     cfg = EvictionConfig(budget=0.3, page_size=P, window=16, policy="entrokv-edge", head_pool=head_pool,
                          entropy_region=region, consensus=consensus)
     got = select(s, 3, cfg).pages
-    saved, policies.pooled_page_dist = policies.pooled_page_dist, _whole_pooled_page_dist
-    try:
-        want = select(s, 3, cfg).pages
-    finally:
-        policies.pooled_page_dist = saved
+
+    class Whole(EntropyScorer):         # the scorer with the whole pooled copy
+        def pooled_dist(self, s, cfg, fixed, isolated):
+            return _whole_pooled_page_dist(s, cfg, fixed, isolated)
+    want = ExactBudget(cfg, Whole()).select(s, 3).pages
     assert np.array_equal(got, want)
 
 
@@ -380,7 +377,7 @@ def test_value_weighted_scales_each_head_by_its_groups_norms(L, G, r, n, power, 
     s = rng.random((L, G * r, n)).astype(np.float32 if f32 else np.float64)
     v = rng.random((L, G, n)) * 3
     keep = s.copy()
-    got = policies.value_weighted(s, v, r, power)
+    got = scoring.value_weighted(s, v, r, power)
     want = np.empty((L, G * r, n))
     for l in range(L):
         for h in range(G * r):

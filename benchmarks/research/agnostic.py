@@ -1,7 +1,7 @@
 """The question after the eviction: question-agnostic scores for entrokv-edge, against
 head-independent eviction, on the fidelity judge's prompts (issue 7's open cells).
 
-    python benchmarks/research/agnostic.py [--quick] [--models ...] [--out benchmarks/results/agnostic.json]
+    python benchmarks/research/agnostic.py [--quick] [--models ...] [--out benchmarks/research/results/agnostic.json]
 
 With the question after the eviction (the fidelity judge's "after" placement: a document
 cached, evicted, then asked about) nothing in the cache tells the selection what will be
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))      # the benchmarks' sha
 
 import entrokv_edge as ek  # noqa: E402
 from entrokv_edge.bindings.observe import Observation, WindowScores  # noqa: E402
-from entrokv_edge.controller.lookahead import lookahead_scores, restore_tail  # noqa: E402
+from entrokv_edge.runtime.drafts import lookahead_scores, restore_tail  # noqa: E402
 from llama_cpp import llama_cpp as C  # noqa: E402
 
 import _harness as H  # noqa: E402
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=evidence.MODELS)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(Path(__file__).parent.parent / "results" / "agnostic.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "agnostic.json"))
     args = ap.parse_args(argv)
     g = QUICK if args.quick else FULL
     commit, t0 = evidence.commit_id(), time.perf_counter()

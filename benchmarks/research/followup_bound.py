@@ -12,7 +12,7 @@ no recall schedule is what is missing.
 
     python benchmarks/research/followup_bound.py [--models ...] [--split tune|heldout] [--docs N]
 
-Rows (benchmarks/results/followup_bound.json, merged by model and split): configuration "full" and
+Rows (benchmarks/research/results/followup_bound.json, merged by model and split): configuration "full" and
 "question-known", per document and fact, with the answer.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=H.MODELS)
     ap.add_argument("--split", choices=list(R.SPLITS), default="tune")
     ap.add_argument("--docs", type=int, default=R.FULL["docs"])
-    ap.add_argument("--out", default=str(HERE.parent / "results" / "followup_bound.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "followup_bound.json"))
     args = ap.parse_args(argv)
     if args.docs < 1:
         ap.error("--docs must be >= 1")

@@ -2,7 +2,7 @@
 tokens it read after evictions (issue 22's fidelity goal).
 
     python benchmarks/research/guide_gap.py [--quick] [--models smollm2-135m] [--configs piecewise guided]
-        [--out benchmarks/results/guide_gap.json]
+        [--out benchmarks/research/results/guide_gap.json]
 
 The fidelity judge's prompts (benchmarks/long_prompt.py's fidelity part: 2k tokens, the question at
 the end, read through a cache of a quarter of their length; KL(full || evicted) along the full
@@ -35,28 +35,21 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import entrokv_edge as ek  # noqa: E402
-import entrokv_edge.controller.controller as CC  # noqa: E402
+from entrokv_edge.controller import Favour  # noqa: E402
+from entrokv_edge.runtime.eviction import capacity_pages  # noqa: E402
 
 import _harness as H  # noqa: E402
 import fidelity  # noqa: E402
 import long_prompt as LP  # noqa: E402
 
-_select = CC.select_layers
 _favour = {"mask": None}        # [L, G, n] bool: positions whose scores get the bonus, per buffer
 
 
-def _favoured(layer_scores, L, r, cfg, n, **kw):
-    m = _favour["mask"]
-    if m is None:
-        return _select(layer_scores, L, r, cfg, n, **kw)
+def favoured(policy):
+    """``policy`` with the oracle's bonus: the positions of _favour["mask"] (while it is set) gain 1e3 at every
+    eviction made layer by layer."""
+    return Favour(policy, lambda: _favour["mask"], bonus=1e3)
 
-    def scores(l):
-        s = np.asarray(layer_scores(l), dtype=np.float64)
-        return s + 1e3 * m[l, np.arange(s.shape[0]) // r, : s.shape[-1]]
-    return _select(scores, L, r, cfg, n, **kw)
-
-
-CC.select_layers = _favoured
 
 
 def _kept(llm) -> list[np.ndarray]:
@@ -71,11 +64,12 @@ def _overlap(a: list[np.ndarray], s: list[np.ndarray]) -> float:
 def run(models, configs, length: int, n_qa: int, n_code: int, tokens: int, log=print) -> list[dict]:
     rows = []
     cells = length // 4
+    LP.WRAP = favoured      # every read of long_prompt.py's runtimes evicts with the favoured policy (no mask: as is)
     for model in models:
         small = LP._runtime(model, cells, length + tokens + 256)
         full = H.load(model, length + tokens + 256)
         stop = H.stop_tokens(full)
-        budget = small._capacity_pages() * small.config.page_size
+        budget = capacity_pages(small) * small.config.page_size
         g = ek.geometry(small)
         L, G = len(g.layers), g.layers[0].n_head_kv
         for p in fidelity.qa_prompts(full, n_qa, length) + fidelity.code_prompts(full, n_code, length):
@@ -124,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m"])
     ap.add_argument("--configs", nargs="+", default=["piecewise", "guided"],
                     choices=[c for c in LP.CONFIGS if "guide_from" not in LP.CONFIGS[c]])
-    ap.add_argument("--out", default=str(HERE.parent / "results" / "guide_gap.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "guide_gap.json"))
     args = ap.parse_args(argv)
     f = fidelity.QUICK if args.quick else fidelity.FULL
     commit, t0 = evidence.commit_id(), time.perf_counter()

@@ -1,8 +1,8 @@
 """An oracle for the questions SmolLM2 loses: the facts asked about pinned resident in every group buffer.
 
 Each fact's sentence (recall.py's follow-up documents: all three facts; long_prompt.py's needle prompts: the
-needle) is added to the pages every eviction keeps (``EvictionConfig.protected``, patched in this process
-only) from the moment it has been read, so every (layer, KV group) buffer holds it after every eviction, and
+needle) is added to the pages every eviction keeps (a ``Protect`` wrapper around each runtime's policy,
+controller/policies.py) from the moment it has been read, so every (layer, KV group) buffer holds it after every eviction, and
 no recall swap displaces it (the recall's swaps spare protected pages too). The budget is unchanged: the
 pinned pages take the place of other pages. With ``--pin facts+head`` the chat template's head (the tokens
 before the document) is pinned too (needle prompts only).
@@ -30,10 +30,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from entrokv_edge.controller.config import EvictionConfig  # noqa: E402
+import entrokv_edge as ek  # noqa: E402
+from entrokv_edge.controller import Protect  # noqa: E402
 
 PIN = {"llm": None, "seqs": [], "head": 0, "at": {}}
-_protected = EvictionConfig.protected
 
 
 def _find(ids: np.ndarray, seq: list[int]) -> int | None:
@@ -46,13 +46,13 @@ def _find(ids: np.ndarray, seq: list[int]) -> int | None:
     return None
 
 
-def protected(self, n: int) -> list[int]:
-    """The pages every group keeps, plus the pinned facts' (and the head's) pages read so far."""
-    out = set(_protected(self, n))
+def pinned_pages(cfg, n: int) -> list[int]:
+    """The pinned facts' (and the head's) pages read so far, for n tokens read with settings ``cfg``."""
+    out = set()
     llm = PIN["llm"]
     if llm is None:
-        return sorted(out)
-    P, n_pages = self.page_size, self.n_pages(n)
+        return []
+    P, n_pages = cfg.page_size, cfg.n_pages(n)
     spans = [(0, min(PIN["head"], n))] if PIN["head"] else []
     ids = None
     for seq in PIN["seqs"]:
@@ -71,6 +71,11 @@ def protected(self, n: int) -> list[int]:
     return sorted(out)
 
 
+def pinned(policy):
+    """``policy`` with the pinned pages protected as well (at the same budget)."""
+    return Protect(policy, lambda n: pinned_pages(policy.config, n))
+
+
 def followup(argv: list[str]) -> int:
     import recall as B
     _doc, _init = B.document, B.Chat.__init__
@@ -85,6 +90,7 @@ def followup(argv: list[str]) -> int:
         PIN["llm"] = llm        # the runtime whose chat runs now: its own tokens are searched
 
     B.document, B.Chat.__init__ = document, chat_init
+    B.WRAP = pinned
     B.CONFIGS["evicted-pinned"], B.CONFIGS["recall-pinned"] = False, True
     return B.main(argv)
 
@@ -112,6 +118,7 @@ def needle(argv: list[str]) -> int:
         return _read(llm, *a, **k)
 
     LP.magic_prompt, LP._read = magic_prompt, read
+    LP.WRAP = pinned
     LP.SPLITS["heldout-55-95"] = dict(LP.SPLITS["heldout"], kinds=["gate", "safe"], depths=[55, 95])
     LP.CONFIGS["guided-pinned-head" if head else "guided-pinned"] = dict()
     return LP.main(argv)
@@ -136,5 +143,4 @@ if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in ("followup", "needle"):
         sys.exit(__doc__)
     _only_pinned(sys.argv[2:])
-    EvictionConfig.protected = protected
     sys.exit(followup(sys.argv[2:]) if sys.argv[1] == "followup" else needle(sys.argv[2:]))

@@ -3,8 +3,8 @@ native work.
 
     python benchmarks/research/recall_bound.py [--quick] [--models ...] [--split tune|heldout|all] [--length 2048]
         [--scorers exact digest shortlist centroid] [--ks 1 4 16] [--ns 1 4 16] [--store-pages 16]
-        [--shortlists 4] [--shard I/N] [--out benchmarks/results/recall_bound.json]
-    python benchmarks/research/recall_bound.py --merge A.json B.json ... --out benchmarks/results/recall_bound.json
+        [--shortlists 4] [--shard I/N] [--out benchmarks/research/results/recall_bound.json]
+    python benchmarks/research/recall_bound.py --merge A.json B.json ... --out benchmarks/research/results/recall_bound.json
 
 The question after the eviction (the fidelity judge's "after" placement, and needle prompts
 with the question after the document): the document is prefilled and evicted to 20% with
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shard", metavar="I/N", help="every N-th prompt from the I-th (0-based): one of N processes")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="run nothing: merge these results files' rows (a later file's replace) into --out")
-    ap.add_argument("--out", default=str(HERE.parent / "results" / "recall_bound.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "recall_bound.json"))
     args = ap.parse_args(argv)
     g = dict(QUICK if args.quick else FULL)
     for key in ("split", "length", "scorers", "ks", "ns", "store_pages", "shortlists"):

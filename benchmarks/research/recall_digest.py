@@ -1,7 +1,7 @@
 """Issue 23, stage 1: how well a page digest ranks a store's pages, measured without the model.
 
     python benchmarks/research/recall_digest.py [--models smollm2-135m] [--split tune]
-        [--cache DIR] [--out benchmarks/results/recall_digest.json]   (a rerun replaces its models' rows)
+        [--cache DIR] [--out benchmarks/research/results/recall_digest.json]   (a rerun replaces its models' rows)
 
 recall_bound.py found that recall driven by the min/max digest stays far from the bound (the
 queries' exact attention). This script isolates the ranking. The prompts, the eviction to 20%
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m"])
     ap.add_argument("--split", choices=RB.SPLITS, default=G["split"])
     ap.add_argument("--cache", help="keep each prompt's captured arrays here (npz) and reuse them")
-    ap.add_argument("--out", default=str(HERE.parent / "results" / "recall_digest.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "recall_digest.json"))
     args = ap.parse_args(argv)
     g = dict(G, split=args.split)
     commit, t0 = evidence.commit_id(), time.perf_counter()

@@ -9,7 +9,7 @@ as one window), its length and a hash of its tokens, and whether a plain prefill
 same batches) gives the same last logits and the same reference. ``--compare`` lists the prompts whose
 references differ between two such files, with each file's CPU features.
 
-Session 41 (docs/research.md, "KL depends on the build's CPU features"): on one AVX2 machine the
+On 2026-12-04 (99096e0; docs/research.md, "KL depends on the build's CPU features"): on one AVX2 machine the
 fidelity-tune references were equal at two commits about 100 apart, with 1 or 2 threads, and changed
 with -DGGML_AVX2=OFF.
 """

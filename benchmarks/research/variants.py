@@ -2,7 +2,7 @@
 tuning split and a held-out split of needle prompts (issue 7's judge).
 
     python benchmarks/research/variants.py [--quick] [--split tune|heldout|...|heldout7|both|all] [--models ...]
-        [--out benchmarks/results/variants.json]
+        [--out benchmarks/research/results/variants.json]
 
 Splits (never mixed; the held-out one was not looked at while choosing entrokv-edge's defaults):
   tune     needlehaystack's needle and question (benchmarks/niah.py), haystack from the first
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
                     help="both: tune and heldout (round 1's pair); all: every split")
     ap.add_argument("--models", nargs="+", default=evidence.MODELS)
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    ap.add_argument("--out", default=str(HERE.parent / "results" / "variants.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "variants.json"))
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: the machine's cores)")
     ap.add_argument("--prefill-cache", default=None, metavar="DIR",
                     help="keep each prompt's prefilled snapshot in DIR and reuse it on later runs (off by default)")

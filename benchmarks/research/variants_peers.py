@@ -4,7 +4,7 @@ the full cache's answer (nats, mean over the answer), the number issue 7 compare
 
     python benchmarks/research/variants_peers.py [--split tune|heldout|heldout2|heldout3|heldout4|both] [--lengths 2048 4096 8192]
         [--models smollm2-135m [gemma3-270m]] [--systems kvpress-snapkv,...] [--budgets 0.2]
-        [--depths ...] [--threads N] [--quick] [--out benchmarks/results/variants_peers.json]
+        [--depths ...] [--threads N] [--quick] [--out benchmarks/research/results/variants_peers.json]
 
 The prompts are variants.py's (the same split, length, depth, needle, haystack and question);
 each is handed to benchmarks/peers.py in the peers' environment (.venv-peers, built by
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="peers.py systems, comma-separated")
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.2])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default=str(HERE.parent / "results" / "variants_peers.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "variants_peers.json"))
     args = ap.parse_args(argv)
     if not evidence.PEERS_VENV.exists():
         print(f"no peers environment ({evidence.PEERS_VENV}): run bash benchmarks/peers_env.sh", file=sys.stderr)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "research"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 

@@ -7,7 +7,7 @@ import numpy as np
 
 import entrokv_edge as ek
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "research"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -16,16 +16,16 @@ def test_a_favoured_selection_survives_a_read_in_pieces(synth_models):
     import guide_gap as GG
     path = str(synth_models["llama-r3"])
     # the favour is per buffer: no consensus, which puts pages into every buffer alike (guide_gap's oracle runs so too)
-    settings = dict(budget=64, page_size=8, window=16, guide=16, guide_consensus=0.0, verbose=False, seed=0, n_threads=2,
-                    n_threads_batch=2)
+    cfg = ek.EvictionConfig(budget=64, page_size=8, window=16, guide=16, guide_consensus=0.0)
+    settings = dict(verbose=False, seed=0, n_threads=2, n_threads_batch=2)
     toks = [int(t) for t in np.random.default_rng(9).integers(3, 300, 600)]
-    whole = ek.EntroKVLlama(path, n_ctx=1024, **settings)
+    whole = ek.EntroKVLlama(path, n_ctx=1024, eviction=cfg, **settings)
     whole.eval(toks)                                     # fits: one eviction after the prompt, to 64 tokens
-    assert whole.n_evictions == 1
+    assert whole.stats.evictions == 1
     S = GG._kept(whole)
-    small = ek.EntroKVLlama(path, n_ctx=256, **settings)
+    small = ek.EntroKVLlama(path, n_ctx=256, eviction=GG.favoured(ek.policy_for(cfg)), **settings)
     small.eval(toks)
-    assert small.n_evictions > 2
+    assert small.stats.evictions > 2
     plain = GG._overlap(GG._kept(small), S)
     g = ek.geometry(small)
     L, G = len(g.layers), g.layers[0].n_head_kv

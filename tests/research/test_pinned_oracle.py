@@ -6,9 +6,8 @@ from pathlib import Path
 import numpy as np
 
 import entrokv_edge as ek
-from entrokv_edge.controller.config import EvictionConfig
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "research"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -26,23 +25,21 @@ def test_a_pinned_sentence_stays_in_every_buffer(synth_models):
     toks[200:216] = fact
     span = np.arange(200, 216)
     turn = [int(t) for t in np.random.default_rng(4).integers(3, 200, 24)]
-    settings = dict(n_ctx=256, budget=64, page_size=8, window=16, verbose=False, seed=0, n_threads=2,
-                    n_threads_batch=2, recall=True)
+    cfg = ek.EvictionConfig(budget=64, page_size=8, window=16)
+    settings = dict(n_ctx=256, verbose=False, seed=0, n_threads=2, n_threads_batch=2, recall=True)
     kept, held = {}, {}
     for pinned in (False, True):
-        llm = ek.EntroKVLlama(path, **settings)
+        llm = ek.EntroKVLlama(path, eviction=PO.pinned(ek.policy_for(cfg)), **settings)
         PO.PIN.update(llm=llm, seqs=[fact[1:-1]] if pinned else [], head=0, at={})
-        EvictionConfig.protected = PO.protected
         try:
             llm.eval(toks)                            # read in pieces: evictions between them and after
-            assert llm.n_evictions > 2
+            assert llm.stats.evictions > 2
             kept[pinned] = ek.geometry(llm).n_used
             held[pinned] = _holds(llm, span)
             llm.eval(turn)                            # a later turn: its recall swaps pages in and out
             assert llm.kv_report()["recall"]["recalled_tokens"] > 0
             held[pinned] &= _holds(llm, span)
         finally:
-            EvictionConfig.protected = PO._protected
             PO.PIN.update(llm=None, seqs=[], at={})
             llm.close()
     assert held[True].all(), held[True]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-peers" / "bin" / "python"
 SYSTEMS = ["kvpress-snapkv", "kvpress-streaming"]
 
