@@ -98,7 +98,7 @@ class EvictionController:
         return lookahead_scores(llm, scores, self.config.lookahead, eval_tokens, stats, self.config.lookahead_share)
 
     def evict(self, llm, scores: WindowScores, *, needles=None, n_keep: int | None = None,
-              before_compact=None, aside=None) -> EvictionResult:
+              before_compact=None, aside=None, ahead: bool = False) -> EvictionResult:
         """Select with the configured policy from ``scores`` and compact ``llm``'s cache.
 
         The cache may have been evicted before and may hold tokens decoded after the
@@ -111,19 +111,26 @@ class EvictionController:
         ``aside``: a store (runtime/store.py) of the tokens earlier evictions dropped: with the option
         ``reselect`` and the window's queries in ``scores``, they are scored with the cached ones and may be
         chosen; those chosen come back into the cache, the tokens they displace take their place in the
-        store (runtime/reselect.py; metrics["reselected_tokens"])."""
+        store (runtime/reselect.py; metrics["reselected_tokens"]). ``ahead``: the queries in ``scores`` are
+        those of tokens read after the cache and taken out again (a turn, read again after this eviction): the
+        cache and ``aside`` are scored by them alone (ValueError where they cannot be: no store, no queries,
+        a policy without reselect)."""
         cfg = self.config
         t0 = time.perf_counter()
         g = geometry(llm)
         n = g.pos_max + 1
-        if n <= 0 or scores.pos_last > g.pos_max:
+        if n <= 0 or (scores.pos_last > g.pos_max and not ahead):
             raise ValueError("the scores do not belong to this cache (observed past its last position)")
+        if ahead and not (cfg.reselect and aside is not None and aside.n_tokens and scores.queries is not None
+                          and cfg.value_power == 0 and scores.pos_last > g.pos_max):
+            raise ValueError("an eviction ahead of its queries needs a reselecting policy, a store and queries "
+                             "observed after the cache")
         L, H = scores.scores.shape[:2]
         G = g.layers[0].n_head_kv
         r = H // G
         union = None
         if cfg.reselect and aside is not None and aside.n_tokens and scores.queries is not None \
-                and cfg.value_power == 0 and scores.pos_last == g.pos_max:     # the set-aside tokens are scored too
+                and cfg.value_power == 0 and (scores.pos_last == g.pos_max or ahead):     # the set-aside tokens too
             fresh, tp_now = False, true_positions(llm)
             union = UnionScores(*resident(llm, g, tp_now, aside), aside, scores.queries, scores.pos_last,
                                 scores.draft_queries if cfg.lookahead else None, cfg.lookahead_share, n)
@@ -316,21 +323,24 @@ def recency_scores(rt) -> WindowScores:
 
 
 def evict(rt, n_keep: int | None = None, controller: EvictionController | None = None,
-          reselect: bool = False) -> EvictionResult:
+          reselect: bool = False, scores: WindowScores | None = None) -> EvictionResult:
     """Evict runtime ``rt`` (an EntroKVLlama) now, with its freshest window scores, down to ``n_keep`` pages
     (default: the budget for the logical length, within the cache's capacity). ``controller``: one with other
     settings for this eviction only (a guided eviction's consensus); ``reselect``: the eviction after a prompt
-    read in pieces, which may choose what earlier ones set aside. The tokens that leave go to the recall's
-    store, or to the read's own while a prompt is read in pieces."""
+    read in pieces, which may choose what earlier ones set aside. ``scores``: instead of the freshest window
+    scores, the queries of a turn taken out of the cache to be read again (the eviction chooses among the
+    cache and the recall's store by them: ``EvictionController.evict``'s ``ahead``). The tokens that leave go
+    to the recall's store, or to the read's own while a prompt is read in pieces."""
     n = rt.n_tokens
     if n == 0:
         raise ValueError("nothing to evict: the context is empty")
-    scores = rt._window_scores or recency_scores(rt)
+    ahead = scores is not None
+    scores = scores or rt._window_scores or recency_scores(rt)
     N = budget_pages(rt, n) if n_keep is None else n_keep
     if rt.config.policy == "full":
         raise ValueError("the full policy never evicts: the cache is too small for this conversation")
     t0 = time.perf_counter()
-    aside = (rt.recall.store if rt.recall else rt._aside) if reselect else None  # recall's, or the read's own
+    aside = (rt.recall.store if rt.recall else rt._aside) if reselect or ahead else None  # recall's, or the read's
     if rt.recall:
         hand_over = lambda tp, cells: rt.recall.on_evict(rt, tp, cells)      # noqa: E731
     elif rt._aside is not None and not reselect:      # (the read's own is dropped after its last eviction)
@@ -345,7 +355,7 @@ def evict(rt, n_keep: int | None = None, controller: EvictionController | None =
                 hand_over(tp, cells)
     controller = controller or rt.controller
     rt.events.emit("evicting", rt=rt, controller=controller, scores=scores, aside=aside)
-    res = controller.evict(rt, scores, n_keep=N, before_compact=hook, aside=aside)
+    res = controller.evict(rt, scores, n_keep=N, before_compact=hook, aside=aside, ahead=ahead)
     rt.stats.reselected += res.metrics.get("reselected_tokens", 0)
     if rt.recall:
         rt.recall.n_keep = geometry(rt).n_compacted

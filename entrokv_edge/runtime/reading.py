@@ -78,7 +78,7 @@ def read(rt, tokens: list[int], guide=None) -> None:
     if rt.recall:
         if rt.n_tokens == 0:
             rt.recall.reset()                 # a new conversation: the store was the last one's
-        if len(tokens) == 1 and rt.recall.n_keep and rt.kv_cells - used_cells(rt) >= 1:
+        if len(tokens) == 1 and rt.recall.n_keep and rt.recall.config.decode and rt.kv_cells - used_cells(rt) >= 1:
             turns.decode(rt, tokens)
             return
         turns.stop_observing(rt)
@@ -96,7 +96,7 @@ def read(rt, tokens: list[int], guide=None) -> None:
         except (ValueError, OSError):   # layers of other K/V head sizes, no writable temporary directory:
             pass                        # the prompt is read without (the eviction after it as before)
     try:
-        _read_pieces(rt, tokens, guide, splits, reselect)
+        _read_pieces(rt, tokens, guide, splits, reselect, rt.n_tokens)
     finally:
         if rt._aside is not None:
             rt._aside.close()
@@ -163,7 +163,7 @@ def _eval_piece(rt, piece: list[int], done: int, total: int) -> None:
         rt._turn_scores = obs.last
 
 
-def _read_pieces(rt, tokens: list[int], guide, splits: bool, reselect: bool) -> None:
+def _read_pieces(rt, tokens: list[int], guide, splits: bool, reselect: bool, start: int) -> None:
     w, total, done = rt.config.window, len(tokens), 0
     guide = guide_tokens(rt, tokens, guide) if splits else []
     g_room = len(guide) + (rt.config.guide_draft if guide else 0)    # what the guide and its draft take
@@ -188,6 +188,12 @@ def _read_pieces(rt, tokens: list[int], guide, splits: bool, reselect: bool) -> 
         if splits:
             release_freed_memory()         # the piece's observation: its scores are freed
     P = rt.config.page_size
+    if not splits and turns.can_reselect(rt, start):      # a later turn, with a store to choose from
+        ws = rt._turn_scores or rt._window_scores
+        rt._turn_scores = None
+        if ws is not None and ws.queries is not None and ws.pos_last == rt.n_tokens - 1:
+            turns.reselect(rt, ws)
+            return
     if total >= w and used_cells(rt) > eviction.budget_pages(rt, rt.n_tokens) * P + P:
         if rt.config.lookahead:           # the answer's first queries join the window's
             t0 = time.perf_counter()
@@ -206,5 +212,6 @@ def _read_pieces(rt, tokens: list[int], guide, splits: bool, reselect: bool) -> 
         ws = rt._turn_scores or rt._window_scores
         if ws is not None and ws.queries is not None and ws.pos_last == rt.n_tokens - 1:
             rt._turn_scores = None
-            turns.at_turn(rt, ws)
+            if rt.recall.config.turn == "recall":
+                turns.at_turn(rt, ws)
     rt._turn_scores = None

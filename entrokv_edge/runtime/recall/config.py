@@ -5,13 +5,21 @@ import os
 from dataclasses import dataclass
 
 
+TURNS = ("recall", "reselect")
+
+
 @dataclass(frozen=True)
 class RecallConfig:
     """``every``: decoded tokens between two recalls; ``pages``: pages read and offered per
     (layer, KV group) at each of them; ``turn_pages``: the same at a new turn; ``page_size``: true
     positions per page of the store (its own, rounded up to whole eviction pages); ``directory``:
     keep the store's rows in a file there (without a name, gone with the store) instead of host
-    memory. Defaults: docs/research.md, "The recall tier"."""
+    memory; ``turn``: what a new turn does, "recall" (its queries rank the stored pages by their digests and
+    swap the best in, then ``turn_requery`` and ``turn_draft``) or "reselect" (its last token is taken out, an
+    eviction chooses among the cache and the whole store by the turn's queries, and the last token is evaluated
+    again; with ``turn_draft`` the answer's first tokens drafted first join its queries); ``decode``: recalls
+    while decoding (every ``every`` tokens). Defaults: docs/research.md,
+    "The recall tier"."""
 
     every: int = 4
     pages: int = 8
@@ -21,6 +29,8 @@ class RecallConfig:
     turn_draft: int = 16                  # answer tokens drafted at a turn to drive a second recall (0: none)
     hold_draft: bool = True               # decoding recalls also see the turn's draft queries not yet decoded
     turn_requery: bool = True             # the turn's window evaluated again after its recall, driving a second one
+    turn: str = "recall"                  # what a new turn does: "recall" or "reselect"
+    decode: bool = True                   # recalls while decoding
 
     def __post_init__(self):
         if self.directory is not None:
@@ -33,7 +43,9 @@ class RecallConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"recall {name} must be an integer in {lo}..{hi}, got {v!r}")
-        for name in ("hold_draft", "turn_requery"):
+        if self.turn not in TURNS:
+            raise ValueError(f"recall turn must be one of {', '.join(TURNS)}, got {self.turn!r}")
+        for name in ("hold_draft", "turn_requery", "decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"recall {name} must be True or False, got {getattr(self, name)!r}")
 

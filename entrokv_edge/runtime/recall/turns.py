@@ -11,7 +11,8 @@ import numpy as np
 
 from ...bindings import geometry
 from ...bindings.observe import Observation, WindowScores
-from ..drafts import draft, draft_room
+from .. import eviction
+from ..drafts import draft, draft_room, lookahead_scores
 
 
 def timed(rt, fn, *args) -> int:
@@ -38,6 +39,42 @@ def at_turn(rt, ws: WindowScores) -> None:
         rt.stats.recall_s += time.perf_counter() - t0
     if rt.recall.config.turn_draft:
         turn_draft(rt)
+
+
+def can_reselect(rt, start: int) -> bool:
+    """Whether the turn read from ``start`` on can be reselected (``turn="reselect"``): a store with tokens,
+    earlier than the turn, and a policy that reselects (entrokv-edge without value_power)."""
+    cfg, rc = rt.config, rt.recall
+    return (rc is not None and rc.config.turn == "reselect" and rc.store is not None and rc.store.n_tokens > 0
+            and start >= rc.n_at_eviction and cfg.reselect and cfg.value_power == 0)
+
+
+def reselect(rt, ws: WindowScores) -> None:
+    """A new turn, observed in ``ws`` (its queries, the last at the cache's last position), in the mode
+    ``turn="reselect"``, instead of the eviction after it: with ``turn_draft`` k > 0, the answer's first k tokens
+    are drafted and their queries join the turn's (mixed as lookahead_share mixes a draft after a prompt); the
+    turn's last token is taken out of the cache; an eviction chooses among the cache and the whole store by
+    those queries; and the last token is evaluated again on the cache as chosen, so that the answer's first
+    logits see what came back."""
+    t0 = time.perf_counter()
+    k = rt.recall.config.turn_draft
+    if k:
+        stats = {}
+        rt.ensure_ids(rt.n_tokens + k)
+        ws = lookahead_scores(rt, ws, k, rt._eval_plain, stats, rt.config.lookahead_share)
+        rt.stats.recall_drafted += stats.get("drafted", 0)
+    n = rt.n_tokens
+    last = int(rt.input_ids[n - 1])
+    if not rt._ctx.kv_cache_seq_rm(-1, n - 1, -1):
+        raise RuntimeError("llama.cpp refused to take the turn's last token out for its reselect")
+    rt.n_tokens = n - 1
+    try:
+        res = eviction.evict(rt, scores=ws)
+        rt.stats.recalled += res.metrics.get("reselected_tokens", 0)
+    finally:                            # the last token is evaluated again whatever happened to the eviction
+        rt._eval_plain([last])
+        rt.stats.recalls += 1
+        rt.stats.recall_s += time.perf_counter() - t0
 
 
 def turn_draft(rt) -> None:
@@ -125,7 +162,7 @@ def decode(rt, tokens: list[int]) -> None:
     rt._recall_obs.start()
     rt._eval_plain(tokens)
     rt._recall_obs.raise_pending()
-    if rt.recall.due():
+    if rt.recall.config.decode and rt.recall.due():
         timed(rt, rt.recall.step, rt)
 
 
