@@ -25,8 +25,8 @@ turn is evicted to 20% of the conversation so far) in the settings of CONFIGS. `
 conversation again at every later turn (``reset`` before it), its evictions steered by the new question:
 a candidate that keeps token ids only. ``recon`` mixes reconstruction scores into the document's eviction
 (after KVzip: the model asked to repeat the document, the attention its repetition pays each key, per head;
-computed here on the full cache's prefill of the same tokens and given to the runtime through a policy
-wrapper): a question-agnostic candidate.
+computed here on the full cache's prefill of the same tokens, chunk by chunk, and given to the runtime through
+a policy wrapper): a question-agnostic candidate.
 
 Per question: right or wrong, the answer, whether every (layer, KV group) buffer holds the fact's answer
 tokens when the answer starts and after it (``held_before`` / ``held_after``: shares of buffers), and the
@@ -283,21 +283,25 @@ class Recon(Wrapper):
         return super().select_layers(mixed, L, r, n, **kw)
 
 
-def recon_scores(full, prompt: list[int], doc_tokens: list[int]) -> np.ndarray:
+def recon_scores(full, prompt: list[int], doc_tokens: list[int], chunk: int = 256) -> np.ndarray:
     """[L, H, n]: the attention a repetition of the document pays each of ``prompt``'s n positions, per head
-    (the sum over the repetition's queries, each head's row normalised to 1), on the full cache ``full``."""
+    (the sum over the repetition's queries, each head's row normalised to 1), on the full cache ``full``:
+    chunk by chunk, as KVzip scores long contexts: after the prompt, "Repeat the previous document exactly."
+    and one chunk of the document, observed whole, then taken out again (the cache needs n + a chunk)."""
     ek.llama_cpp.llama_memory_clear(full._ctx.memory, True)
     full.reset()
     full.eval(prompt)
     n = len(prompt)
-    rep = H.text_tokens(full, "\n\nRepeat the previous document exactly.\n") + list(doc_tokens)
+    head = H.text_tokens(full, "\n\nRepeat the previous document exactly.\n")
     acc = None
-    for a in range(0, len(rep), 256):
-        chunk = rep[a: a + 256]
-        with ek.Observation(full, len(chunk)) as obs:
-            full.eval(chunk)
-        s = np.asarray(obs.last.scores[:, :, :n], dtype=np.float64) * len(chunk)
+    for a in range(0, len(doc_tokens), chunk):
+        part = head + list(doc_tokens[a: a + chunk])
+        with ek.Observation(full, len(part)) as obs:
+            full.eval(part)
+        s = np.asarray(obs.last.scores[:, :, :n], dtype=np.float64) * len(part)
         acc = s if acc is None else acc + s
+        ek.llama_cpp.llama_memory_seq_rm(full._ctx.memory, 0, n, -1)
+        full.n_tokens = n
     ek.llama_cpp.llama_memory_clear(full._ctx.memory, True)
     full.reset()
     return acc / np.maximum(acc.sum(-1, keepdims=True), 1e-300)
@@ -311,7 +315,8 @@ def _runtime(model: str, n_ctx: int, kw: dict, box: dict | None):
                            verbose=False, seed=0, n_threads=H.threads(), n_threads_batch=H.threads())
 
 
-def rows_for(model: str, split: str, docs: int, configs, commit: str, log=print) -> list[dict]:
+def rows_for(model: str, split: str, docs: int, configs, commit: str, log=print, save=None) -> list[dict]:
+    """The rows of a model's documents; ``save(rows)`` after each document (a long run keeps what it made)."""
     rows = []
     n_full = max(LENGTHS) + 1024
     full = H.load(model, n_full)
@@ -366,6 +371,8 @@ def rows_for(model: str, split: str, docs: int, configs, commit: str, log=print)
                 + f" ({time.perf_counter() - t0:.0f} s)")
             if llm is not full:
                 llm.close()
+        if save is not None:
+            save(rows)
     full.close()
     return rows
 
@@ -403,16 +410,20 @@ def main(argv=None) -> int:
     if not 1 <= docs <= DOCS[args.split]:
         ap.error(f"--docs must be in 1..{DOCS[args.split]}")
     commit, t0 = evidence.commit_id(), time.perf_counter()
-    rows = []
-    for m in args.models:
-        rows += rows_for(m, args.split, docs, args.configs, commit)
-    for s in summary(rows):
-        print(s)
     settings = {"budget": BUDGET, "lengths": LENGTHS, "splits": SPLITS, "tokens": TOKENS,
                 "configs": {c: CONFIGS[c] for c in args.configs}, "threads": H.threads(), "docs": docs}
-    evidence.merge_rows(args.out, evidence.meta("full", settings, time.perf_counter() - t0, commit), rows,
-                        key=lambda r: (r["split"], r["model"], r["config"]),
-                        redo={(r["split"], r["model"], r["config"]) for r in rows})
+    rows, done = [], []
+
+    def save(model_rows):           # this run's rows so far replace those of its (split, model, config)s
+        key = lambda r: (r["split"], r["model"], r["config"])      # noqa: E731
+        evidence.merge_rows(args.out, evidence.meta("full", settings, time.perf_counter() - t0, commit),
+                            done + model_rows, key=key, redo={key(r) for r in done + model_rows})
+    for m in args.models:
+        got = rows_for(m, args.split, docs, args.configs, commit, save=save)
+        done += got
+        rows += got
+    for s in summary(rows):
+        print(s)
     print(f"{len(rows)} rows -> {args.out} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
