@@ -22,8 +22,9 @@ from tqdm import tqdm
 from . import server
 from .bindings import EntroKVError
 from .controller.config import DEFAULT_BUDGET
-from .launch import (EXIT_USAGE, CLIError, at_least, budget_value, count_tokens, finite, load_runtime, quiet_llama,
-                     read_text)
+from .launch import (EXIT_USAGE, CLIError, at_least, budget_value, cache_type_arg, count_tokens, finite, load_runtime,
+                     quiet_llama, read_text)
+from .runtime.host import CACHE_TYPES
 from .runtime.rpc import RPCUnavailableError, serve as serve_rpc
 
 DESCRIPTION = ("Answer a prompt, chat, serve or inspect a model's heads with a KV cache of bounded size: "
@@ -61,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any other setting (docs/options.md), e.g. --set page_size=16; repeatable")
     common.add_argument("--config", metavar="FILE", help="settings from a JSON object (--set and flags win)")
+    common.add_argument("-ctk", "--cache-type-k", type=cache_type_arg, metavar="TYPE", help="the KV cache's type for K: "
+                        f"f16 (default), {', '.join(t for t in CACHE_TYPES if t != 'f16')}")
+    common.add_argument("-ctv", "--cache-type-v", type=cache_type_arg, metavar="TYPE", help="the same for V (a quantized "
+                        "V needs flash attention)")
+    common.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
+                        help="flash attention: auto (default: on where V is quantized, which needs it), on, off")
     common.add_argument("--threads", type=at_least(1), metavar="N", help="CPU threads (default: llama.cpp's; at most 512)")
     common.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers (and their cache) on a GPU; -1: all")
     common.add_argument("--rpc", action="append", metavar="HOST:PORT", help=argparse.SUPPRESS)   # docs/gpu.md

@@ -18,6 +18,7 @@ from .controller.config import DEFAULT_BUDGET
 from .models import ModelError, model_path
 from .runtime import EntroKVLlama
 from .runtime.eviction import cells_to_hold, reserved_cells
+from .runtime.host import CACHE_TYPES, QUANTIZED
 from .runtime.rpc import RPCUnavailableError, add_servers
 
 llama_cpp = ensure_llama_cpp()
@@ -195,6 +196,7 @@ def load_runtime(args, n_prompt: int | None):
             add_servers(args.rpc)
         except (RPCUnavailableError, ValueError) as e:
             raise CLIError(str(e))
+    kwargs.update(cache_kwargs(args))
     if args.threads:
         kwargs.update(n_threads=args.threads, n_threads_batch=args.threads)
     if args.recall is not None:
@@ -207,7 +209,30 @@ def load_runtime(args, n_prompt: int | None):
         msg = str(e)
         if "Failed to load model" in msg:
             raise CLIError(f"{path}: llama.cpp could not load this model (corrupt or unsupported architecture)")
+        if "Failed to create llama_context" in msg:
+            ck = {v: k for k, v in CACHE_TYPES.items()}
+            raise CLIError(f"llama.cpp could not make a {cells}-cell cache of K {ck[kwargs['type_k']]}, V "
+                           f"{ck[kwargs['type_v']]} (flash attention {'on' if kwargs['flash_attn'] else 'off'}) "
+                           "for this model on this build; try another cache type, or f16")
         raise CLIError(msg)
+
+
+def cache_type_arg(text: str) -> str:
+    """An argparse type: a KV cache type's name (llama.cpp's spelling)."""
+    if text.lower() not in CACHE_TYPES:
+        raise argparse.ArgumentTypeError(f"unknown cache type {text!r}; choose one of {', '.join(CACHE_TYPES)}")
+    return text.lower()
+
+
+def cache_kwargs(args) -> dict:
+    """type_k, type_v and flash_attn for -ctk / -ctv / -fa: flash attention on with auto where V is quantized
+    (llama.cpp needs it there); a quantized V with -fa off refused."""
+    k = getattr(args, "cache_type_k", None) or "f16"
+    v = getattr(args, "cache_type_v", None) or "f16"
+    fa = getattr(args, "flash_attn", "auto")
+    if v in QUANTIZED and fa == "off":
+        raise CLIError(f"a quantized V cache ({v}) needs flash attention: give -fa on (or leave it auto)")
+    return {"type_k": CACHE_TYPES[k], "type_v": CACHE_TYPES[v], "flash_attn": fa == "on" or (fa == "auto" and v in QUANTIZED)}
 
 
 def vocab(args):

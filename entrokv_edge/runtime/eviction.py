@@ -322,6 +322,12 @@ def recency_scores(rt) -> WindowScores:
     return WindowScores(s, tp, np.array([l.il for l in g.layers], np.int32), 0, 0, g.pos_max)
 
 
+def full_refusal(rt, n: int) -> str:
+    """Why the full policy (which keeps every token) cannot hold ``n`` tokens in ``rt``'s cache."""
+    return (f"the full policy keeps every token: {n} tokens need a cache of at least {n} cells, this one has "
+            f"{rt.kv_cells} (give a larger n_ctx / --kv-cells, or an evicting policy)")
+
+
 def evict(rt, n_keep: int | None = None, controller: EvictionController | None = None,
           reselect: bool = False, scores: WindowScores | None = None) -> EvictionResult:
     """Evict runtime ``rt`` (an EntroKVLlama) now, with its freshest window scores, down to ``n_keep`` pages
@@ -338,7 +344,7 @@ def evict(rt, n_keep: int | None = None, controller: EvictionController | None =
     scores = scores or rt._window_scores or recency_scores(rt)
     N = budget_pages(rt, n) if n_keep is None else n_keep
     if rt.config.policy == "full":
-        raise ValueError("the full policy never evicts: the cache is too small for this conversation")
+        raise ValueError(full_refusal(rt, n + 1))
     t0 = time.perf_counter()
     aside = (rt.recall.store if rt.recall else rt._aside) if reselect or ahead else None  # recall's, or the read's
     if rt.recall:

@@ -2,6 +2,7 @@
 takes, and the heap's freed memory given back."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 MAX_THREADS = 512          # ggml's GGML_MAX_N_THREADS: a larger thread count crashes inside ggml
@@ -18,6 +19,38 @@ def check_context_params(kwargs: dict) -> None:
         v = kwargs.get(k)
         if v is not None and not 0 <= v < 2**32:
             raise ValueError(f"{k} must be in 0..2^32-1, got {v}")
+
+
+# the KV cache types llama.cpp takes (its -ctk / -ctv names) and their ggml ids
+CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20}
+QUANTIZED = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"}
+
+
+def cache_type(value) -> int:
+    """A cache type as llama.cpp's ggml id: a name of CACHE_TYPES or its id; ValueError otherwise."""
+    if isinstance(value, str):
+        if value.lower() not in CACHE_TYPES:
+            raise ValueError(f"unknown KV cache type {value!r}; choose one of {', '.join(CACHE_TYPES)}")
+        return CACHE_TYPES[value.lower()]
+    if isinstance(value, bool) or not isinstance(value, int) or value not in CACHE_TYPES.values():
+        raise ValueError(f"unknown KV cache type {value!r}; choose one of {', '.join(CACHE_TYPES)} (or their ggml ids)")
+    return int(value)
+
+
+def cache_type_name(t: int) -> str:
+    return next(k for k, v in CACHE_TYPES.items() if v == t)
+
+
+def check_cache_types(kwargs: dict) -> None:
+    """``type_k`` / ``type_v`` given by name or ggml id, as ids in place; a quantized V without flash
+    attention (llama.cpp cannot run it) refused with a clear ValueError."""
+    for k in ("type_k", "type_v"):
+        if kwargs.get(k) is not None:
+            kwargs[k] = cache_type(kwargs[k])
+    tv = kwargs.get("type_v")
+    if tv is not None and cache_type_name(tv) in QUANTIZED and not kwargs.get("flash_attn"):
+        raise ValueError(f"a quantized V cache ({cache_type_name(tv)}) needs flash attention: give flash_attn=True "
+                         "(on the command line: -fa on)")
 
 
 def _load_malloc_trim():
@@ -42,3 +75,22 @@ def release_freed_memory() -> None:
     each decoded token)."""
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+_BLAS = None        # threadpoolctl's controller of the BLAS libraries loaded (found once: a few ms)
+
+
+def blas_threads(n: int):
+    """A context in which numpy's BLAS (OpenBLAS, MKL, BLIS) runs on at most ``n`` threads: the runtime's numpy
+    work (scores, selections, the recall's products) runs between llama.cpp's decodes, on the threads the
+    runtime was given, not on one per core whatever the user asked (about 20 microseconds a call)."""
+    global _BLAS
+    if _BLAS is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+            _BLAS = ThreadpoolController()
+        except ImportError:            # (a dependency: only an install without it lacks it)
+            _BLAS = False
+    if not _BLAS or n is None or n < 1:
+        return contextlib.nullcontext()
+    return _BLAS.limit(limits=int(n), user_api="blas")

@@ -29,7 +29,7 @@ from . import eviction, reading, session
 from . import state as states
 from .eviction import EvictionController, EvictionResult
 from .events import Events
-from .host import check_context_params
+from .host import blas_threads, check_context_params, check_cache_types
 from .recall import Recall, recall_config
 from .rpc import add_servers
 from .stats import RuntimeStats
@@ -70,6 +70,7 @@ class EntroKVLlama(llama_cpp.Llama):
         cfg = controller.config
         recall_cfg = recall_config(recall)
         check_context_params(kwargs)
+        check_cache_types(kwargs)
         if rpc_servers:
             add_servers(rpc_servers)
         super().__init__(model_path, **kwargs)
@@ -210,7 +211,7 @@ class EntroKVLlama(llama_cpp.Llama):
         a prompt); else token ids or a text (for a caller that evaluates the document and the question
         in separate calls); [] or "": none."""
         tokens = [int(t) for t in tokens]
-        with self._claim():
+        with self._claim(), blas_threads(self.context_params.n_threads):
             self.events.emit("eval", rt=self, tokens=tokens)
             reading.read(self, tokens, guide)
 

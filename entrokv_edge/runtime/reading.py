@@ -89,6 +89,8 @@ def read(rt, tokens: list[int], guide=None) -> None:
     rt._ctx.kv_cache_seq_rm(-1, rt.n_tokens, -1)
     rt.ensure_ids(rt.n_tokens + len(tokens))
     splits = len(tokens) > rt.kv_cells - used_cells(rt)       # read in pieces, with evictions in between
+    if splits and rt.config.policy == "full":
+        raise ValueError(eviction.full_refusal(rt, rt.n_tokens + len(tokens)))
     reselect = splits and rt.config.reselect          # (an entrokv-edge option: a scored policy)
     if reselect and not rt.recall:    # what the pieces' evictions drop, set aside in a file until the prompt is read
         try:    # rows only: a reselect reads no digests
@@ -194,7 +196,7 @@ def _read_pieces(rt, tokens: list[int], guide, splits: bool, reselect: bool, sta
         if ws is not None and ws.queries is not None and ws.pos_last == rt.n_tokens - 1:
             turns.reselect(rt, ws)
             return
-    if total >= w and used_cells(rt) > eviction.budget_pages(rt, rt.n_tokens) * P + P:
+    if total >= w and rt.config.policy != "full" and used_cells(rt) > eviction.budget_pages(rt, rt.n_tokens) * P + P:
         if rt.config.lookahead:           # the answer's first queries join the window's
             t0 = time.perf_counter()
             rt.ensure_ids(rt.n_tokens + rt.config.lookahead)
