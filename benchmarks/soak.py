@@ -149,12 +149,14 @@ class SoakLlama(ek.EntroKVLlama, _Probe):
                                max_logit_diff=float(np.abs(logits(self) - logits(o)).max()))
 
 
-def make(path: str, cells: int, threads: int, **settings) -> SoakLlama:
-    """The soak's context and its oracle: F32 K and V, one batch size, the same threads. The oracle rewrites
+def make(path: str, cells: int, threads: int, type_k: int = 0, type_v: int = 0, flash_attn: bool = False,
+         **settings) -> SoakLlama:
+    """The soak's context and its oracle: F32 K and V (or the cache types given: the oracle holds the same bytes,
+    so its logits are the runtime's, bit for bit), one batch size, the same threads. The oracle rewrites
     the cells an eviction keeps, so ``reselect`` is off by default here: a reselect also brings back rows an
     earlier eviction set aside, which tests/test_reselect.py checks against the stored rows instead."""
-    common = dict(n_ctx=cells, n_batch=512, n_ubatch=512, type_k=0, type_v=0, n_threads=threads,
-                  n_threads_batch=threads, verbose=False, seed=0)
+    common = dict(n_ctx=cells, n_batch=512, n_ubatch=512, type_k=type_k, type_v=type_v, flash_attn=flash_attn,
+                  n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
     oracle = ek.llama_cpp.Llama(path, **common)
     return SoakLlama(path, oracle, **common, **{"reselect": False, **settings})
 

@@ -163,6 +163,7 @@ def settings_of(args) -> dict:
 
 def load_runtime(args, n_prompt: int | None):
     """An EntroKVLlama for args; n_prompt (tokens) sizes the default cache and checks the budget."""
+    cache = cache_kwargs(args)          # the flags' own refusals first
     path = model_file(args.model)
     settings = settings_of(args)
     cfg = settings["eviction"]
@@ -196,7 +197,7 @@ def load_runtime(args, n_prompt: int | None):
             add_servers(args.rpc)
         except (RPCUnavailableError, ValueError) as e:
             raise CLIError(str(e))
-    kwargs.update(cache_kwargs(args))
+    kwargs.update(cache)
     if args.threads:
         kwargs.update(n_threads=args.threads, n_threads_batch=args.threads)
     if args.recall is not None:

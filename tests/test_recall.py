@@ -54,11 +54,11 @@ def last_logits_are_fresh(llm, token) -> bool:
     return np.array_equal(seen, logits(llm))
 
 
-@pytest.mark.parametrize("type_k,where", [(0, "memory"), (1, "memory"), (8, "memory"), (1, "file")],
-                         ids=["f32", "f16", "q8_0", "f16-file"])
+@pytest.mark.parametrize("type_k,where", [(0, "memory"), (1, "memory"), (8, "memory"), (2, "memory"), (1, "file")],
+                         ids=["f32", "f16", "q8_0", "q4_0", "f16-file"])
 def test_recalls_swap_exact_rows_and_lose_or_duplicate_no_token(model, type_k, where, tmp_path):
     recall = {**RECALL, "directory": str(tmp_path)} if where == "file" else RECALL
-    llm = ek.EntroKVLlama(model, n_ctx=256, recall=recall, type_k=type_k, type_v=type_k, flash_attn=type_k == 8,
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall=recall, type_k=type_k, type_v=type_k, flash_attn=type_k in (2, 8),
                           **SETTINGS)
     before = {}
 
