@@ -202,8 +202,10 @@ class Chat:
             stream = self.llm.create_chat_completion(self.msgs, max_tokens=max_tokens, temperature=0, seed=0,
                                                      stream=True)
             get = lambda c: c["choices"][0]["delta"].get("content") or ""      # noqa: E731
-        else:
-            self.text += ("" if not self.text else "\n\n") + f"Question: {content}\nAnswer:"
+        else:           # a transcript: the document before the first question, each question then answered
+            doc, sep, ask = content.rpartition("\n\n") if not self.text else ("", "", content)
+            self.text += (f"{doc}\n\n" if sep else "") + ("" if not self.text else "\n\n") + \
+                f"Question: {ask}\nAnswer:"
             stream = self.llm.create_completion(self.text, max_tokens=max_tokens, temperature=0, seed=0,
                                                 stop=["\nQuestion:", "\n\n"], stream=True)
             get = lambda c: c["choices"][0].get("text") or ""      # noqa: E731
