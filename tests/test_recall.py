@@ -852,3 +852,58 @@ def test_a_prompt_read_in_pieces_ends_with_its_questions_recall(model, lookahead
     assert_each_position_once(llm, 700)
     decode(llm, 6)
     assert llm.n_tokens == 706
+
+
+@pytest.mark.parametrize("turn_len,draft", [(24, 0), (10, 0), (24, 6)])
+def test_a_reselected_turn_chooses_among_cache_and_store_and_answers_from_what_came_back(model, turn_len, draft):
+    """turn="reselect": a later turn's last token is taken out, an eviction chooses among the cache and the whole
+    store by the turn's queries (and a draft's), and the last token is evaluated again: every position once, in
+    the cache or the store; the budget held; the last logits those of the turn's last token on the cache as
+    chosen; a stored token brought back where the turn attends to it."""
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall={"turn": "reselect", "decode": False, "turn_draft": draft},
+                          **SETTINGS)
+    llm.eval(prompt(200, 1))
+    assert llm.stats.evictions == 1 and llm.recall.store.n_tokens == 200 - 64
+    decode(llm, 5)
+    n0, ev0 = llm.n_tokens, llm.stats.evictions
+    turn = prompt(turn_len, 7)
+    llm.eval(turn)
+    assert llm.stats.evictions == ev0 + 1 and llm.stats.recalls == 1 and llm.stats.recalled > 0
+    assert (llm.stats.recall_drafted > 0) == bool(draft)
+    assert llm.n_tokens == n0 + turn_len
+    assert_each_position_once(llm, n0 + turn_len)
+    assert ek.geometry(llm).n_compacted == llm.last_eviction.metrics["kept_tokens"] <= 64     # (a partial last page)
+    assert last_logits_are_fresh(llm, turn[-1])
+
+
+def test_a_single_prompt_reads_as_without_a_store_in_reselect_mode(model):
+    """turn="reselect" touches later turns only: a prompt (read in pieces or not) and its answer are what they are
+    without recall, token for token."""
+    for n in (200, 700):
+        plain = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+        kept = ek.EntroKVLlama(model, n_ctx=256, recall={"turn": "reselect", "decode": False}, **SETTINGS)
+        toks = prompt(n, 3)
+        plain.eval(toks)
+        kept.eval(toks)
+        for _ in range(20):
+            a, b = int(np.argmax(logits(plain))), int(np.argmax(logits(kept)))
+            assert a == b and np.array_equal(logits(plain), logits(kept)), n
+            plain.eval([a])
+            kept.eval([b])
+        assert kept.stats.recalls == 0 and kept.recall.store.n_tokens > 0
+
+
+def test_the_store_keeps_within_its_cap_and_says_what_it_dropped(model):
+    llm = ek.EntroKVLlama(model, n_ctx=256, recall={**RECALL, "store_mib": 0.01}, **SETTINGS)    # 10 KiB: nothing fits
+    llm.eval(prompt(700, 2))
+    rep = llm.kv_report()["recall"]
+    # (read in pieces: every eviction's tokens dropped; the store holds none, with recall's own reselect at the end
+    # choosing among the cache alone)
+    assert rep["store_tokens_per_group"] == 0 and rep["dropped_tokens_per_group"] >= 700 - 256
+    assert rep["store_bytes"] == 0 and rep["store_mib"] == 0.01
+    big = ek.EntroKVLlama(model, n_ctx=256, recall=RECALL, **SETTINGS)
+    big.eval(prompt(700, 2))
+    assert big.kv_report()["recall"]["dropped_tokens_per_group"] == 0
+    assert big.recall.store.n_tokens + ek.geometry(big).n_used == 700           # every token kept, in one or the other
+    with pytest.raises(ValueError, match="store_mib"):
+        ek.EntroKVLlama(model, n_ctx=256, recall={"store_mib": -1}, **SETTINGS)

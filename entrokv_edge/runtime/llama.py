@@ -260,6 +260,7 @@ class EntroKVLlama(llama_cpp.Llama):
                 "store_pages": store.n_pages() if store is not None else 0,
                 "store_bytes": nb["rows"] + nb["positions"], "digest_bytes": nb["digests"],
                 "store_bytes_in_memory": (0 if rc.config.directory else nb["rows"]) + nb["positions"],
+                "store_mib": rc.config.store_mib, "dropped_tokens_per_group": rc.dropped,
                 "recalls": st.recalls, "recalls_on_decode_attention": st.recalls_on_decode,
                 "recalled_tokens": st.recalled, "recall_s": st.recall_s, "drafted_tokens": st.recall_drafted}
 

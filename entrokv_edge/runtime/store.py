@@ -267,9 +267,12 @@ def new_store(g, page_size: int, directory: str | None = None, digests: bool = T
     return Store(g.n_slots, page_size, g.type_k, kw.pop(), vw.pop(), hd.pop(), directory, digests)
 
 
-def set_aside(llm, store: Store, tp_now: np.ndarray | None, cells: np.ndarray, g=None) -> None:
+def set_aside(llm, store: Store, tp_now: np.ndarray | None, cells: np.ndarray, g=None,
+              max_bytes: int | None = None) -> int:
     """Before a compaction that keeps ``cells`` [n_slots, K] (tp_now: the slots' true positions, None when
-    cells are positions): the slots' other tokens go to ``store``."""
+    cells are positions): the slots' other tokens go to ``store``; with ``max_bytes``, only while its rows
+    stay within it (the tokens beyond are dropped for good, as without a store). Returns the tokens per slot
+    dropped so."""
     g = g or geometry(llm)
     if tp_now is None:
         tp_now = true_positions(llm)
@@ -278,7 +281,10 @@ def set_aside(llm, store: Store, tp_now: np.ndarray | None, cells: np.ndarray, g
     gone = [np.flatnonzero(h).astype(np.int32) for h in held]
     if not gone[0].size:
         return
-    k, v = read_cells(llm, gone, g, buffers=True)      # every slot loses as many tokens: [S, m, width] as read
     m = gone[0].size
+    if max_bytes is not None and store.nbytes()["rows"] + m * g.n_slots * (store.k.width + store.v.width) > max_bytes:
+        return m
+    k, v = read_cells(llm, gone, g, buffers=True)      # every slot loses as many tokens: [S, m, width] as read
     store.add(np.stack([tp_now[s][gone[s]] for s in range(g.n_slots)]),
               k.reshape(g.n_slots, m, -1), v.reshape(g.n_slots, m, -1))
+    return 0

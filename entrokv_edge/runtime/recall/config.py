@@ -18,7 +18,9 @@ class RecallConfig:
     swap the best in, then ``turn_requery`` and ``turn_draft``) or "reselect" (its last token is taken out, an
     eviction chooses among the cache and the whole store by the turn's queries, and the last token is evaluated
     again; with ``turn_draft`` the answer's first tokens drafted first join its queries); ``decode``: recalls
-    while decoding (every ``every`` tokens). Defaults: docs/research.md,
+    while decoding (every ``every`` tokens); ``store_mib``: the most the store's rows may take (MiB, in memory
+    or in its file); at the cap, what later evictions drop is dropped for good (``kv_report()["recall"]
+    ["dropped_tokens_per_group"]`` counts it), None: no cap. Defaults: docs/research.md,
     "The recall tier"."""
 
     every: int = 4
@@ -31,6 +33,7 @@ class RecallConfig:
     turn_requery: bool = True             # the turn's window evaluated again after its recall, driving a second one
     turn: str = "recall"                  # what a new turn does: "recall" or "reselect"
     decode: bool = True                   # recalls while decoding
+    store_mib: float | None = 1024.0      # the store's rows at most (MiB); evictions beyond it are final. None: no cap
 
     def __post_init__(self):
         if self.directory is not None:
@@ -45,6 +48,9 @@ class RecallConfig:
                 raise ValueError(f"recall {name} must be an integer in {lo}..{hi}, got {v!r}")
         if self.turn not in TURNS:
             raise ValueError(f"recall turn must be one of {', '.join(TURNS)}, got {self.turn!r}")
+        if self.store_mib is not None and (isinstance(self.store_mib, bool) or not isinstance(self.store_mib, (int, float))
+                                           or not 0 < self.store_mib < 1 << 30):
+            raise ValueError(f"recall store_mib must be a number of MiB > 0 or None, got {self.store_mib!r}")
         for name in ("hold_draft", "turn_requery", "decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"recall {name} must be True or False, got {getattr(self, name)!r}")

@@ -65,6 +65,7 @@ class Recall:
         self.n_at_eviction = 0                # logical length at the last eviction
         self.held: tuple | None = None        # hold_draft: the last turn's draft queries [L, k, H, d], positions [k]
         self.keys = ResidentKeys()            # the compacted cells' keys, kept between recalls
+        self.dropped = 0                      # evicted tokens per slot not stored (the store at store_mib)
 
     @property
     def policy(self) -> Policy:
@@ -90,12 +91,13 @@ class Recall:
         self.held = None
         self.keys.clear()                     # compaction moves the cells
         self._att = None                      # and changes n_keep
-        set_aside(llm, self.store, tp_now, cells, g)
+        cap = None if self.config.store_mib is None else int(self.config.store_mib * (1 << 20))
+        self.dropped += set_aside(llm, self.store, tp_now, cells, g, cap)
 
     def reset(self) -> None:
         if self.store is not None:
             self.store.close()
-        self.store, self.steps, self.n_keep, self.n_at_eviction = None, [], 0, 0
+        self.store, self.steps, self.n_keep, self.n_at_eviction, self.dropped = None, [], 0, 0, 0
         self.held = None
         self.keys.clear()
         self._att = None
