@@ -31,6 +31,12 @@ Parts:
            runtime at the share kept, its defaults
   speed    one prompt of the essays per (length, configuration) in its own process: prefill and decode tok/s
            (64 greedy tokens after the eviction), KV bytes and peak RSS
+  unpatched  the full caches (f16, q8_0, q4_0; and q4_0 with llama.cpp's Hadamard rotation off,
+           LLAMA_ATTN_ROT_DISABLE=1) on the same needle prompts in this build and in an unpatched
+           llama-cpp-python 0.3.36 (``--unpatched-python``: the interpreter of a venv where it was built from the
+           same sdist, e.g. ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON ..." pip install
+           llama_cpp_python-0.3.36.tar.gz``): each prompt's 16 greedy tokens and a hash of their logits, which
+           are the same in both where our patch changes nothing a full cache computes
 
 Rows merge into ``--out`` by (part, model, length, configuration). Threads: ENTROKV_BENCH_THREADS.
 """
@@ -247,6 +253,62 @@ def speed_rows(model: str, lengths, configs, commit: str, log=print) -> list[dic
     return rows
 
 
+_PLAIN = r"""
+import hashlib, json, os, sys
+if sys.argv[1] == "patched":
+    import entrokv_edge  # noqa: F401 - binds llama_cpp to the patched libllama
+import llama_cpp, numpy as np
+model, prompts, t = sys.argv[2], json.load(open(sys.argv[3])), sys.argv[4]
+ids = {"f16": 1, "q8_0": 8, "q4_0": 2}
+n = int(os.environ.get("ENTROKV_BENCH_THREADS") or os.cpu_count())
+llm = llama_cpp.Llama(model, n_ctx=int(sys.argv[5]), n_batch=512, n_ubatch=512, type_k=ids[t], type_v=ids[t],
+                      flash_attn=t != "f16", verbose=False, seed=0, n_threads=n, n_threads_batch=n)
+for p in prompts:
+    llm.reset()
+    llama_cpp.llama_memory_clear(llm._ctx.memory, True)
+    llm.eval(p["tokens"])
+    h, toks = hashlib.sha256(), []
+    for _ in range(16):
+        lg = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        h.update(lg.tobytes())
+        toks.append(int(np.argmax(lg)))
+        llm.eval(toks[-1:])
+    text = llm.detokenize(toks).decode("utf-8", "replace")
+    print(json.dumps({"text": text, "right": p["number"] in text, "logits_sha256": h.hexdigest()}), flush=True)
+"""
+
+
+def unpatched_rows(model: str, length: int, n: int, python: str, commit: str, log=print) -> list[dict]:
+    """The unpatched part: the same prompts' full caches in this build and in an unpatched llama-cpp-python."""
+    import tempfile
+    rows = []
+    vocab = ek.llama_cpp.Llama(str(ek.models.model_path(model)), vocab_only=True, verbose=False)
+    ps = [{"tokens": p.tokens, "number": number, **meta} for p, number, meta in prompts(vocab, length, n)]
+    del vocab
+    n_ctx = -(-(length + 64) // 256) * 256
+    with tempfile.TemporaryDirectory() as tmp:
+        pf, script = Path(tmp, "prompts.json"), Path(tmp, "plain.py")
+        pf.write_text(json.dumps(ps))
+        script.write_text(_PLAIN)
+        for t, env in (("f16", {}), ("q8_0", {}), ("q4_0", {}), ("q4_0", {"LLAMA_ATTN_ROT_DISABLE": "1"})):
+            got = {}
+            for build, exe in (("patched", sys.executable), ("unpatched", python)):
+                r = subprocess.run([exe, str(script), build, str(ek.models.model_path(model)), str(pf), t, str(n_ctx)],
+                                   capture_output=True, text=True, env={**__import__("os").environ, **env})
+                if r.returncode != 0:
+                    raise SystemExit(f"{build} {t}: {r.stderr.strip()[-400:]}")
+                got[build] = [json.loads(x) for x in r.stdout.strip().splitlines()]
+            for p, a, b in zip(ps, got["patched"], got["unpatched"]):
+                rows.append({"part": "unpatched", "model": model, "length": length, "config": t + ("-norot" if env else ""),
+                             "prompt": p["prompt"], "kind": p["kind"], "depth": p["depth"], "number": p["number"],
+                             "patched": a, "unpatched": b, "same_logits": a["logits_sha256"] == b["logits_sha256"],
+                             "commit": commit})
+            log(f"unpatched {model} {length} {t}{' no rotation' if env else ''}: "
+                + " ".join(("=" if r["same_logits"] else "!") + ("+" if r["patched"]["right"] else "-")
+                           for r in rows[-len(ps):]))
+    return rows
+
+
 def main(argv=None) -> int:
     import evidence
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -257,14 +319,17 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", type=int, default=3, help="later_turns.py documents (later)")
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--out", default=str(HERE / "results" / "kv_types.json"))
+    ap.add_argument("--unpatched-python", help="the unpatched part's interpreter (a venv with stock llama-cpp-python)")
     ap.add_argument("--speed-one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.speed_one:
         print(json.dumps(_speed_one(json.loads(args.speed_one))))
         return 0
     parts = [p for p in args.parts.split(",") if p]
-    if set(parts) - {"answers", "small", "later", "speed"}:
-        ap.error("parts: answers, small, later, speed")
+    if set(parts) - {"answers", "small", "later", "speed", "unpatched"}:
+        ap.error("parts: answers, small, later, speed, unpatched")
+    if "unpatched" in parts and not args.unpatched_python:
+        ap.error("the unpatched part needs --unpatched-python")
     commit, t0 = evidence.commit_id(), time.perf_counter()
     rows = []
     for m in args.models:
@@ -275,6 +340,8 @@ def main(argv=None) -> int:
                 rows += answers_rows(m, length, args.prompts, args.configs, commit)
             if "small" in parts:
                 rows += small_rows(m, length, args.prompts, args.configs, commit)
+            if "unpatched" in parts:
+                rows += unpatched_rows(m, length, args.prompts, args.unpatched_python, commit)
         if "later" in parts:
             rows += later_rows(m, args.docs, args.configs, commit)
         if "speed" in parts:
