@@ -24,7 +24,6 @@ from .bindings import EntroKVError
 from .controller.config import DEFAULT_BUDGET
 from .launch import (EXIT_USAGE, CLIError, at_least, budget_value, cache_type_arg, count_tokens, finite, load_runtime,
                      quiet_llama, read_text)
-from .runtime.host import CACHE_TYPES
 from .runtime.rpc import RPCUnavailableError, serve as serve_rpc
 
 DESCRIPTION = ("Answer a prompt, chat, serve or inspect a model's heads with a KV cache of bounded size: "
@@ -48,26 +47,24 @@ def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="entrokv-edge", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = _Parser(add_help=False)
-    common.add_argument("-m", "--model", required=True, help="a .gguf file, or a registered name (entrokv-models list)")
-    common.add_argument("--kv-cells", type=at_least(1), metavar="N", help="the KV cache, in tokens, at most the "
-                        "model's context (default: the prompt and the answer fit)")
-    common.add_argument("--budget", type=budget_value, metavar="B", help="tokens each KV head keeps after the prompt: a fraction of "
-                        "it (0.2) or a count (512); default: what --kv-cells can keep, or "
-                        f"{DEFAULT_BUDGET} of the prompt when the cache is sized to it")
-    common.add_argument("--policy", choices=MAIN_POLICIES, help="what is kept: entrokv-edge (default), page-entrokv "
-                        "(the method as published), streaming (sinks and recent tokens), full (no eviction)")
+    common.add_argument("-m", "--model", required=True, help="a .gguf file or a name from entrokv-models list")
+    common.add_argument("--kv-cells", type=at_least(1), metavar="N", help="the KV cache, in tokens (default: the "
+                        "prompt and the answer fit)")
+    common.add_argument("--budget", type=budget_value, metavar="B", help="tokens each KV head keeps: a fraction of the "
+                        f"prompt (0.2) or a count (512); default: what --kv-cells holds, else {DEFAULT_BUDGET}")
+    common.add_argument("--policy", choices=MAIN_POLICIES, metavar="NAME", help="entrokv-edge (default), page-entrokv (as published), "
+                        "streaming (sinks, recent), full (no eviction)")
     common.add_argument("--recall", action=argparse.BooleanOptionalAction, default=None,
-                        help="keep evicted tokens in host memory and bring them back when the answer being generated "
-                        "(or a later question) needs them (docs/options.md, 'Recall')")
+                        help="keep evicted tokens outside the cache and bring back what a question needs "
+                        "(docs/options.md, 'Recall')")
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any other setting (docs/options.md), e.g. --set page_size=16; repeatable")
     common.add_argument("--config", metavar="FILE", help="settings from a JSON object (--set and flags win)")
-    common.add_argument("-ctk", "--cache-type-k", type=cache_type_arg, metavar="TYPE", help="the KV cache's type for K: "
-                        f"f16 (default), {', '.join(t for t in CACHE_TYPES if t != 'f16')}")
-    common.add_argument("-ctv", "--cache-type-v", type=cache_type_arg, metavar="TYPE", help="the same for V (a quantized "
-                        "V needs flash attention)")
+    common.add_argument("-ctk", "--cache-type-k", type=cache_type_arg, metavar="TYPE", help="K's cache type: f16 "
+                        "(default), q8_0, q4_0, ...")
+    common.add_argument("-ctv", "--cache-type-v", type=cache_type_arg, metavar="TYPE", help="V's (quantized: needs -fa)")
     common.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
-                        help="flash attention: auto (default: on where V is quantized, which needs it), on, off")
+                        help="flash attention (auto: on where V is quantized)")
     common.add_argument("--threads", type=at_least(1), metavar="N", help="CPU threads (default: llama.cpp's; at most 512)")
     common.add_argument("--n-gpu-layers", type=int, default=0, metavar="N", help="layers (and their cache) on a GPU; -1: all")
     common.add_argument("--rpc", action="append", metavar="HOST:PORT", help=argparse.SUPPRESS)   # docs/gpu.md
@@ -80,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help="one JSON object on stdout")
         if name != "inspect":
             p.add_argument("--max-tokens", type=int, default=256, metavar="N",
-                           help="the answer's length at most (default 256; <= 0: until the model stops)")
+                           help="the answer's length at most (default 256; <= 0: no limit)")
             p.add_argument("--temp", type=finite, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
             p.add_argument("--raw", action="store_true", help="plain completion, no chat template")
         if name == "inspect":
