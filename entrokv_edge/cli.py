@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--policy", choices=MAIN_POLICIES, metavar="NAME", help="entrokv-edge (default), page-entrokv (as published), "
                         "streaming (sinks, recent), full (no eviction)")
     common.add_argument("--recall", action=argparse.BooleanOptionalAction, default=None,
-                        help="keep evicted tokens outside the cache and bring back what a question needs "
-                        "(docs/options.md, 'Recall')")
+                        help="later turns bring back evicted tokens their question needs (default); --recall: "
+                        "also while generating; --no-recall: never (docs/options.md)")
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any other setting (docs/options.md), e.g. --set page_size=16; repeatable")
     common.add_argument("--config", metavar="FILE", help="settings from a JSON object (--set and flags win)")

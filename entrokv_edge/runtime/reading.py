@@ -97,8 +97,9 @@ def read(rt, tokens: list[int], guide=None) -> None:
             rt._aside = new_store(geometry(rt), rt.config.page_size, tempfile.gettempdir(), digests=False)
         except (ValueError, OSError):   # layers of other K/V head sizes, no writable temporary directory:
             pass                        # the prompt is read without (the eviction after it as before)
+    later = bool(rt.recall and rt.recall.n_keep)      # a turn after an eviction: the store held tokens before it
     try:
-        _read_pieces(rt, tokens, guide, splits, reselect, rt.n_tokens)
+        _read_pieces(rt, tokens, guide, splits, reselect, rt.n_tokens, later)
     finally:
         if rt._aside is not None:
             rt._aside.close()
@@ -165,7 +166,7 @@ def _eval_piece(rt, piece: list[int], done: int, total: int) -> None:
         rt._turn_scores = obs.last
 
 
-def _read_pieces(rt, tokens: list[int], guide, splits: bool, reselect: bool, start: int) -> None:
+def _read_pieces(rt, tokens: list[int], guide, splits: bool, reselect: bool, start: int, later: bool) -> None:
     w, total, done = rt.config.window, len(tokens), 0
     guide = guide_tokens(rt, tokens, guide) if splits else []
     g_room = len(guide) + (rt.config.guide_draft if guide else 0)    # what the guide and its draft take
@@ -209,8 +210,9 @@ def _read_pieces(rt, tokens: list[int], guide, splits: bool, reselect: bool, sta
     else:
         reselected = False
     # a new turn: its last queries bring back the pages they want (not after a reselect of the turn's own
-    # eviction: its question has chosen among everything the store held)
-    if rt.recall and rt.recall.n_keep and not reselected:
+    # eviction: its question has chosen among everything the store held; after the first prompt's own
+    # eviction only with first_turn)
+    if rt.recall and rt.recall.n_keep and not reselected and (later or rt.recall.config.first_turn):
         ws = rt._turn_scores or rt._window_scores
         if ws is not None and ws.queries is not None and ws.pos_last == rt.n_tokens - 1:
             rt._turn_scores = None

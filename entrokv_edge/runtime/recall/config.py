@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 
 
@@ -18,7 +19,8 @@ class RecallConfig:
     swap the best in, then ``turn_requery`` and ``turn_draft``) or "reselect" (its last token is taken out, an
     eviction chooses among the cache and the whole store by the turn's queries, and the last token is evaluated
     again; with ``turn_draft`` the answer's first tokens drafted first join its queries); ``decode``: recalls
-    while decoding (every ``every`` tokens); ``store_mib``: the most the store's rows may take (MiB, in memory
+    while decoding (every ``every`` tokens); ``first_turn``: the first prompt's own queries recall too, after its
+    own eviction (off: a single prompt is answered as without recall); ``store_mib``: the most the store's rows may take (MiB, in memory
     or in its file); at the cap, what later evictions drop is dropped for good (``kv_report()["recall"]
     ["dropped_tokens_per_group"]`` counts it), None: no cap. Defaults: docs/research.md,
     "The recall tier"."""
@@ -34,6 +36,7 @@ class RecallConfig:
     turn: str = "recall"                  # what a new turn does: "recall" or "reselect"
     decode: bool = True                   # recalls while decoding
     store_mib: float | None = 1024.0      # the store's rows at most (MiB); evictions beyond it are final. None: no cap
+    first_turn: bool = True               # the first prompt's queries recall after its own eviction
 
     def __post_init__(self):
         if self.directory is not None:
@@ -51,15 +54,29 @@ class RecallConfig:
         if self.store_mib is not None and (isinstance(self.store_mib, bool) or not isinstance(self.store_mib, (int, float))
                                            or not 0 < self.store_mib < 1 << 30):
             raise ValueError(f"recall store_mib must be a number of MiB > 0 or None, got {self.store_mib!r}")
-        for name in ("hold_draft", "turn_requery", "decode"):
+        for name in ("hold_draft", "turn_requery", "decode", "first_turn"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"recall {name} must be True or False, got {getattr(self, name)!r}")
 
 
+# the recall a runtime has unless told otherwise: later turns of a chat bring back what their questions need
+# (docs/research.md, "Later turns"); a single prompt is answered as without it (no recall after the first
+# prompt's own eviction, none while decoding); the store's rows in a temporary file, not in memory
+DEFAULT = dict(turn_requery=False, turn_draft=0, decode=False, first_turn=False)
+
+
+def default_recall() -> RecallConfig:
+    """The default recall: DEFAULT, its store in the temporary directory (in memory where none is writable)."""
+    d = tempfile.gettempdir()
+    return RecallConfig(**DEFAULT, directory=d if os.path.isdir(d) and os.access(d, os.W_OK) else None)
+
+
 def recall_config(value) -> RecallConfig | None:
-    """The ``recall`` option: None / False (off), True (the defaults), a dict of RecallConfig's
-    fields, or a RecallConfig."""
-    if value is None or value is False:
+    """The ``recall`` option: None (the default, ``default_recall()``), False (off), True (the full tier:
+    RecallConfig's own defaults, the store in memory), a dict of RecallConfig's fields, or a RecallConfig."""
+    if value is None:
+        return default_recall()
+    if value is False:
         return None
     if value is True:
         return RecallConfig()
