@@ -964,6 +964,12 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
         s.append(long_prompt_section(long_prompt) + "\n")
     if soak or fuzz:
         s.append(robustness_section(soak, fuzz) + "\n")
+    import report_chat          # (its sections use this module's tables and tests)
+    for part, section in (("later_turns", report_chat.later_turns_section), ("kv_types", report_chat.kv_types_section),
+                          ("serve_load", report_chat.serve_section)):
+        d = _load(results, part)
+        if d:
+            s.append(section(d) + "\n")
     Path(report).write_text("".join(s))
 
 

@@ -54,9 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                         f"prompt (0.2) or a count (512); default: what --kv-cells holds, else {DEFAULT_BUDGET}")
     common.add_argument("--policy", choices=MAIN_POLICIES, metavar="NAME", help="entrokv-edge (default), page-entrokv (as published), "
                         "streaming (sinks, recent), full (no eviction)")
-    common.add_argument("--recall", action=argparse.BooleanOptionalAction, default=None,
-                        help="later turns bring back evicted tokens their question needs (default); --recall: "
-                        "also while generating; --no-recall: never (docs/options.md)")
+    common.add_argument("--recall", nargs="?", const="full", choices=("turns", "full"), default=None,
+                        help="evicted tokens kept, brought back at later turns (turns) or also while "
+                        "generating (full, bare --recall)")
+    common.add_argument("--no-recall", dest="recall", action="store_const", const=False, help=argparse.SUPPRESS)
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any other setting (docs/options.md), e.g. --set page_size=16; repeatable")
     common.add_argument("--config", metavar="FILE", help="settings from a JSON object (--set and flags win)")

@@ -52,9 +52,17 @@ def test_run_recall_flag_turns_the_store_on_and_off(smollm2, doc):
     assert rc == 0, err
     rec = json.loads(out)["recall"]
     assert rec["on"] and rec["where"] == "memory" and rec["store_tokens_per_group"] > 0 and rec["recalls"] >= 1
-    rc, out, err = cli(*common, "--no-recall")
+    rc, out, err = cli(*common, "--recall", "turns")       # a single prompt: a store, but no recall
     assert rc == 0, err
-    assert json.loads(out)["recall"] == {"on": False}
+    rec = json.loads(out)["recall"]
+    assert rec["on"] and rec["where"].startswith("file in ") and rec["store_tokens_per_group"] > 0
+    assert rec["recalls"] == 0
+    for flag in (("--no-recall",), ()):
+        rc, out, err = cli(*common, *flag)
+        assert rc == 0, err
+        assert json.loads(out)["recall"] == {"on": False}
+    rc, out, err = cli(*common, "--recall", "sometimes")
+    assert rc == 2 and "invalid choice" in err and "Traceback" not in err
 
 
 def test_run_with_entrokv_edge_keeps_the_same_budget(smollm2, doc, tmp_path):
@@ -118,6 +126,23 @@ def test_chat_with_save_load_and_stats(smollm2, tmp_path):
     stats = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
     assert len(stats) == 2 and stats[0] == stats[1]          # /load brought back the saved conversation
     assert f"saved {sess}" in out and "loaded" in out
+
+
+def test_chat_recalls_at_a_later_turn_with_recall_turns_and_not_by_default(smollm2, doc):
+    """A document that overflows the cache, then a question in a later turn: with --recall turns the store of
+    evicted tokens is on (its rows in a temporary file) and the later turn recalls from it; by default, and with
+    --no-recall, no store."""
+    text = doc.read_text().replace("\n", " ")          # one chat message
+    script = f"{text}\nWhich line is first?\n/stats\n/quit\n"
+    for flag, on in ((("--recall", "turns"), True), ((), False), (("--no-recall",), False)):
+        rc, out, err = cli("chat", "-m", smollm2, "--kv-cells", 512, "--budget", 128, "--max-tokens", 4, *flag,
+                           stdin=script)
+        assert rc == 0, err
+        rep = [json.loads(l) for l in out.splitlines() if l.startswith("{")][-1]
+        assert rep["evictions"] >= 1 and rep["recall"]["on"] is on
+        if on:
+            assert rep["recall"]["where"].startswith("file in ") and rep["recall"]["store_tokens_per_group"] > 0
+            assert rep["recall"]["recalls"] >= 1
 
 
 @pytest.mark.parametrize("case", ["missing model", "not gguf", "corrupt gguf", "empty prompt", "page size",

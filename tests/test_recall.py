@@ -880,7 +880,7 @@ def test_a_single_prompt_reads_as_without_a_store_in_reselect_mode(model):
     """turn="reselect" touches later turns only: a prompt (read in pieces or not) and its answer are what they are
     without recall, token for token."""
     for n in (200, 700):
-        plain = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+        plain = ek.EntroKVLlama(model, n_ctx=256, recall=False, **SETTINGS)
         kept = ek.EntroKVLlama(model, n_ctx=256, recall={"turn": "reselect", "decode": False}, **SETTINGS)
         toks = prompt(n, 3)
         plain.eval(toks)
@@ -907,3 +907,38 @@ def test_the_store_keeps_within_its_cap_and_says_what_it_dropped(model):
     assert big.recall.store.n_tokens + ek.geometry(big).n_used == 700           # every token kept, in one or the other
     with pytest.raises(ValueError, match="store_mib"):
         ek.EntroKVLlama(model, n_ctx=256, recall={"store_mib": -1}, **SETTINGS)
+    with pytest.raises(TypeError, match="turns"):
+        ek.EntroKVLlama(model, n_ctx=256, recall="turn", **SETTINGS)
+
+
+def test_turns_recall_answers_a_single_prompt_as_without_it_and_recalls_at_a_later_turn(model):
+    """recall="turns": a store in a temporary file; a prompt (read in pieces or not) and its answer are what
+    they are without recall (the default), token for token (no recall after the first prompt's own eviction,
+    none while decoding); a later turn's queries then bring stored tokens back, every position still once, the
+    budget held, the last logits those of the turn's last token on the cache as recalled."""
+    import tempfile
+    for n in (200, 700):
+        plain = ek.EntroKVLlama(model, n_ctx=256, **SETTINGS)
+        llm = ek.EntroKVLlama(model, n_ctx=256, recall="turns", **SETTINGS)
+        toks = prompt(n, 5)
+        plain.eval(toks)
+        llm.eval(toks)
+        for _ in range(12):
+            a, b = int(np.argmax(logits(plain))), int(np.argmax(logits(llm)))
+            assert a == b and np.array_equal(logits(plain), logits(llm)), n
+            plain.eval([a])
+            llm.eval([b])
+        rep = llm.kv_report()["recall"]
+        assert plain.kv_report()["recall"] == {"on": False}
+        assert rep["on"] and rep["where"] == f"file in {tempfile.gettempdir()}" and rep["recalls"] == 0
+        assert rep["store_tokens_per_group"] > 0 and rep["store_bytes"] > 0
+        assert rep["store_bytes_in_memory"] < rep["store_bytes"]            # the rows are in the file
+        n0 = llm.n_tokens
+        turn = prompt(10, 9)                                                 # a later turn, after the evictions
+        llm.eval(turn)
+        assert llm.stats.recalls == 1 and llm.stats.recalled > 0 and llm.stats.recall_drafted == 0
+        assert_each_position_once(llm, n0 + 10)
+        assert ek.geometry(llm).n_compacted <= 64 + 8                        # within the budget (a partial page)
+        assert last_logits_are_fresh(llm, turn[-1])
+        for x in (plain, llm):
+            x.close()

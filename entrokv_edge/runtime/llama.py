@@ -47,9 +47,9 @@ class EntroKVLlama(llama_cpp.Llama):
     ``value_power``, ``lookahead``, ``lookahead_share``; ``guide``, ``guide_share``, ``guide_draft``) or
     ``eviction=`` an EvictionConfig, a Policy (controller/policies.py: one composed with a wrapper, say) or an
     EvictionController;
-    ``recall`` (evicted tokens kept in a store, in a file or host memory, and brought back at later turns;
-    default: on for later turns only, the store in a temporary file, recall/config.py's DEFAULT; False: off;
-    True, a dict or a RecallConfig: the full tier, also while generating; docs/options.md, "Recall");
+    ``recall`` (evicted tokens kept in a store, in a file or host memory, and brought back; default off:
+    evictions are final; "turns": at later turns only, the store in a temporary file, recall/config.py's
+    LATER_TURNS; True, a dict or a RecallConfig: the full tier, also while generating; docs/options.md, "Recall");
     ``logical_ctx`` (the longest conversation accepted, default: the model's training context); ``progress``
     (a callable(done, total) called during long prefills); ``rpc_servers`` ("host:port" or a list: llama.cpp
     RPC servers to offload to, with ``n_gpu_layers``; needs a ``-DGGML_RPC=ON`` build).

@@ -280,7 +280,7 @@ def set_aside(llm, store: Store, tp_now: np.ndarray | None, cells: np.ndarray, g
     held[np.arange(g.n_slots)[:, None], cells] = False
     gone = [np.flatnonzero(h).astype(np.int32) for h in held]
     if not gone[0].size:
-        return
+        return 0
     m = gone[0].size
     if max_bytes is not None and store.nbytes()["rows"] + m * g.n_slots * (store.k.width + store.v.width) > max_bytes:
         return m

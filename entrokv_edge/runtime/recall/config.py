@@ -59,29 +59,30 @@ class RecallConfig:
                 raise ValueError(f"recall {name} must be True or False, got {getattr(self, name)!r}")
 
 
-# the recall a runtime has unless told otherwise: later turns of a chat bring back what their questions need
-# (docs/research.md, "Later turns"); a single prompt is answered as without it (no recall after the first
-# prompt's own eviction, none while decoding); the store's rows in a temporary file, not in memory
-DEFAULT = dict(turn_requery=False, turn_draft=0, decode=False, first_turn=False)
+# recall="turns": later turns of a chat bring back what their questions need (docs/research.md, "Later turns"); a
+# single prompt is answered as without recall (no recall after the first prompt's own eviction, none while
+# decoding); the store's rows in a temporary file, not in memory
+LATER_TURNS = dict(turn_requery=False, turn_draft=0, decode=False, first_turn=False)
 
 
-def default_recall() -> RecallConfig:
-    """The default recall: DEFAULT, its store in the temporary directory (in memory where none is writable)."""
+def turns_recall() -> RecallConfig:
+    """``recall="turns"``: LATER_TURNS, its store in the temporary directory (in memory where none is writable)."""
     d = tempfile.gettempdir()
-    return RecallConfig(**DEFAULT, directory=d if os.path.isdir(d) and os.access(d, os.W_OK) else None)
+    return RecallConfig(**LATER_TURNS, directory=d if os.path.isdir(d) and os.access(d, os.W_OK) else None)
 
 
 def recall_config(value) -> RecallConfig | None:
-    """The ``recall`` option: None (the default, ``default_recall()``), False (off), True (the full tier:
-    RecallConfig's own defaults, the store in memory), a dict of RecallConfig's fields, or a RecallConfig."""
-    if value is None:
-        return default_recall()
-    if value is False:
+    """The ``recall`` option: None / False (off, the default), "turns" (``turns_recall()``: later turns only),
+    True (the full tier: RecallConfig's own defaults, the store in memory), a dict of RecallConfig's fields,
+    or a RecallConfig."""
+    if value is None or value is False:
         return None
+    if value == "turns":
+        return turns_recall()
     if value is True:
         return RecallConfig()
     if isinstance(value, RecallConfig):
         return value
     if isinstance(value, dict):
         return RecallConfig(**value)
-    raise TypeError(f"recall must be True, False, a dict or a RecallConfig, got {value!r}")
+    raise TypeError(f"recall must be False, \"turns\", True, a dict or a RecallConfig, got {value!r}")
