@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections import defaultdict
@@ -18,19 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+import report_chat
+from _tables import _table, sign_test  # noqa: F401 - sign_test: the research scripts take it from here
+
 OURS = "page-entrokv"
 EDGE = "entrokv-edge"        # the default policy (issue 7)
 GOAL_BUDGET = 0.2            # the budget issue 7's goal is stated at
 BASELINES = ("mean-pool", "max-pool", "head-independent", "no-isolation", "streaming")
-
-
-def sign_test(wins: int, losses: int) -> float:
-    """Two-sided sign test p-value (ties dropped)."""
-    n = wins + losses
-    if n == 0:
-        return 1.0
-    k = min(wins, losses)
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
 
 
 RESEARCH_PARTS = ("variants", "variants_peers", "agnostic")     # written by benchmarks/research/ scripts
@@ -44,12 +37,6 @@ def _load(results: Path, part: str):
     if not f.exists() and part in RESEARCH_PARTS and research.exists():
         f = research
     return json.loads(f.read_text()) if f.exists() else None
-
-
-def _table(head: list[str], rows: list[list]) -> str:
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
-                     ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]) + "\n"
 
 
 def _verdict(w: int, lo: int, t: int, what: str) -> str:
@@ -964,12 +951,14 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
         s.append(long_prompt_section(long_prompt) + "\n")
     if soak or fuzz:
         s.append(robustness_section(soak, fuzz) + "\n")
-    import report_chat          # (its sections use this module's tables and tests)
     for part, section in (("later_turns", report_chat.later_turns_section), ("kv_types", report_chat.kv_types_section),
                           ("serve_load", report_chat.serve_section)):
         d = _load(results, part)
         if d:
             s.append(section(d) + "\n")
+        idle, busy = _load(results, "recall_decode_idle"), _load(results, "recall_decode_busy")
+        if part == "kv_types" and idle and busy:
+            s.append(report_chat.busy_section(idle, busy) + "\n")
     Path(report).write_text("".join(s))
 
 

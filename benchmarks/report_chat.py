@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from report import _table, sign_test
+from _tables import _table, sign_test
 
 LT_ORDER = ("full", "evicted", "default", "turns", "recall", "recall-lite", "reselect", "reselect+draft", "reselect+decode",
             "reread", "recon")
@@ -164,3 +164,22 @@ def serve_section(d) -> str:
          f"most; its slope after the first quarter {f(x['rss_slope_mib_per_min'])} MiB/min (spread "
          f"{f(x['rss_slope_noise_mib'])} MiB).\n"]
     return "".join(s)
+
+
+def busy_section(idle, busy) -> str:
+    """Decode with recall on one thread, the machine idle and with the other core busy (recall.py --parts decode,
+    run twice: numpy's BLAS held to the runtime's thread)."""
+    rows = {name: {r["config"]: r for r in _rows(d)} for name, d in (("idle", idle), ("busy", busy))}
+    table = []
+    for c in ("full", "evicted", "recall"):
+        if c in rows["idle"] and c in rows["busy"]:
+            a, b = rows["idle"][c], rows["busy"][c]
+            ms = [x.get("decode_recall", {}).get("ms_per_recall") for x in (a, b)]
+            table.append([a["model"], c, a["decode_tok_s"], b["decode_tok_s"], f"{b['decode_tok_s'] / a['decode_tok_s']:.3f}",
+                          ms[0], ms[1]])
+    return ("### Decode with recall, idle and with the other core busy\n\n"
+            "`ENTROKV_BENCH_THREADS=1 python benchmarks/recall.py --parts decode`, run once on an idle machine and once "
+            "with a Python busy loop on the other core (8k-token prompt, 64 tokens, the full tier `recall=True`; "
+            f"commits `{idle['meta']['commit']}` / `{busy['meta']['commit']}`).\n\n"
+            + _table(["model", "configuration", "decode tok/s idle", "busy", "busy / idle", "ms per recall idle", "busy"],
+                     table))
