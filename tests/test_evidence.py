@@ -185,6 +185,43 @@ def test_report_sections_8_and_9_render_their_rows():
     assert "| compact | 5 | 2 | 3 | ok 2, LIST_LENGTH 3 |" in s
 
 
+def test_the_chat_sections_pair_each_question_and_each_prompt():
+    """Sections 10-12 from synthetic rows: later turns counted among the full cache's right answers and paired
+    with final evictions per question; KV types paired with q4_0 per prompt; the server's ratios from its
+    summary. A wrong key or a dropped row changes a count."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report_chat
+    meta = {"commit": "c", "date": "d", "settings": {"threads": 2}}
+    rows = []
+    for q, (full, ev, tu) in enumerate([(True, False, True), (True, False, False), (False, False, True)]):
+        base = {"split": "heldout", "model": "m", "doc": q // 2, "kind": f"k{q}"}
+        rows += [{**base, "config": "full", "right": full, "ttft_s": 0.2},
+                 {**base, "config": "evicted", "right": ev, "ttft_s": 0.1},
+                 {**base, "config": "turns", "right": tu, "ttft_s": 0.3 + q}]
+    s = report_chat.later_turns_section({"meta": meta, "data": {"rows": rows}})
+    line = next(l for l in s.splitlines() if l.startswith("| m | turns |"))
+    assert "| 2 | 2 of 3 | 1 of 2 | 1.300 | 6.50x | 2/0/1" in line, line
+    assert "1 of the full cache's 2 right answers (50%)" in s
+    kv = []
+    for i, (f16, q4, ev) in enumerate([(True, False, True), (True, True, False), (True, False, True)]):
+        base = {"part": "answers", "model": "m", "length": 4096, "prompt": i}
+        kv += [{**base, "config": "f16", "right": f16, "kl_mean": 0.0, "kv_share": 1.0},
+               {**base, "config": "q4_0", "right": q4, "kl_mean": 0.3, "kv_share": 0.28},
+               {**base, "config": "f16@25", "right": ev, "kl_mean": 0.1, "kv_share": 0.25}]
+    s = report_chat.kv_types_section({"meta": meta, "data": {"rows": kv}})
+    line = next(l for l in s.splitlines() if "| f16@25 |" in l)
+    assert "| 25.0% | 2 of 3 | 2 of 3 | 0.100 | 2/1/0" in line, line
+    summary = {"requests": 10, "answered": 9, "refused_503": 0, "failed": 0, "dropped_on_purpose": 1, "wall_s": 60.0,
+               "turns_same": 9, "turns_differ": 0, "tokens_per_s_p50": 3.0, "rss_mib_start": 100.0,
+               "rss_mib_max": 120.0, "rss_slope_mib_per_min": 0.1, "rss_slope_noise_mib": 2.0}
+    for name, p50, p95 in (("first", 2.0, 3.0), ("followup", 0.5, 2.0)):
+        summary.update({f"ttft_{name}_client_p50_s": p50, f"ttft_{name}_client_p95_s": p95,
+                        f"ttft_{name}_server_p50_s": p50 / 2, f"ttft_{name}_server_p95_s": p95 / 2})
+    s = report_chat.serve_section({"meta": {**meta, "settings": {"clients": 4, "model": "m", "kv_cells": 512,
+                                                                 "threads": 2}}, "data": {"summary": summary}})
+    assert "| followup | 0.50 | 2.00 | 4.00 | 0.25 | 1.00 |" in s and "| 10 | 9 | 0 | 0 | 1 | 60 | 9 | 0 |" in s
+
+
 def test_the_long_prompt_report_pairs_kl_only_within_one_build():
     """Rows of one commit made by builds of other CPU features are not paired (their full cache's reference
     answers differ); the same rows from one build are."""
