@@ -951,12 +951,12 @@ def write(results: Path, report: Path, total_seconds: float | None = None) -> No
         s.append(long_prompt_section(long_prompt) + "\n")
     if soak or fuzz:
         s.append(robustness_section(soak, fuzz) + "\n")
+    idle, busy = _load(results, "recall_decode_idle"), _load(results, "recall_decode_busy")
     for part, section in (("later_turns", report_chat.later_turns_section), ("kv_types", report_chat.kv_types_section),
                           ("serve_load", report_chat.serve_section)):
         d = _load(results, part)
         if d:
             s.append(section(d) + "\n")
-        idle, busy = _load(results, "recall_decode_idle"), _load(results, "recall_decode_busy")
         if part == "kv_types" and idle and busy:
             s.append(report_chat.busy_section(idle, busy) + "\n")
     Path(report).write_text("".join(s))

@@ -52,8 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                         "prompt and the answer fit)")
     common.add_argument("--budget", type=budget_value, metavar="B", help="tokens each KV head keeps: a fraction of the "
                         f"prompt (0.2) or a count (512); default: what --kv-cells holds, else {DEFAULT_BUDGET}")
-    common.add_argument("--policy", choices=MAIN_POLICIES, metavar="NAME", help="entrokv-edge (default), page-entrokv (as published), "
-                        "streaming (sinks, recent), full (no eviction)")
+    common.add_argument("--policy", choices=MAIN_POLICIES, metavar="NAME", help="entrokv-edge (default), page-entrokv "
+                        "(as published), streaming (sinks, recent), full (no eviction)")
     common.add_argument("--recall", nargs="?", const="full", choices=("turns", "full"), default=None,
                         help="evicted tokens kept, brought back at later turns (turns) or also while "
                         "generating (full, bare --recall)")

@@ -201,7 +201,7 @@ def load_runtime(args, n_prompt: int | None):
     if args.threads:
         kwargs.update(n_threads=args.threads, n_threads_batch=args.threads)
     if args.recall is not None:
-        kwargs["recall"] = {"full": True, "turns": "turns"}.get(args.recall, args.recall)
+        kwargs["recall"] = args.recall            # "turns", "full" or False: recall_config reads them
     try:
         return EntroKVLlama(str(path), **settings, **kwargs)
     except EntroKVError as e:

@@ -19,9 +19,9 @@ class RecallConfig:
     swap the best in, then ``turn_requery`` and ``turn_draft``) or "reselect" (its last token is taken out, an
     eviction chooses among the cache and the whole store by the turn's queries, and the last token is evaluated
     again; with ``turn_draft`` the answer's first tokens drafted first join its queries); ``decode``: recalls
-    while decoding (every ``every`` tokens); ``first_turn``: the first prompt's own queries recall too, after its
-    own eviction (off: a single prompt is answered as without recall); ``store_mib``: the most the store's rows may take (MiB, in memory
-    or in its file); at the cap, what later evictions drop is dropped for good (``kv_report()["recall"]
+    while decoding (every ``every`` tokens); ``first_turn``: the first prompt's own queries recall too, after
+    its own eviction (off: a single prompt is answered as without recall); ``store_mib``: the most the store's
+    rows may take (MiB, in memory or in its file); at the cap, what later evictions drop is dropped for good (``kv_report()["recall"]
     ["dropped_tokens_per_group"]`` counts it), None: no cap. Defaults: docs/research.md,
     "The recall tier"."""
 
@@ -73,16 +73,16 @@ def turns_recall() -> RecallConfig:
 
 def recall_config(value) -> RecallConfig | None:
     """The ``recall`` option: None / False (off, the default), "turns" (``turns_recall()``: later turns only),
-    True (the full tier: RecallConfig's own defaults, the store in memory), a dict of RecallConfig's fields,
-    or a RecallConfig."""
+    True or "full" (the full tier: RecallConfig's own defaults, the store in memory), a dict of RecallConfig's
+    fields, or a RecallConfig."""
     if value is None or value is False:
         return None
     if value == "turns":
         return turns_recall()
-    if value is True:
+    if value is True or value == "full":
         return RecallConfig()
     if isinstance(value, RecallConfig):
         return value
     if isinstance(value, dict):
         return RecallConfig(**value)
-    raise TypeError(f"recall must be False, \"turns\", True, a dict or a RecallConfig, got {value!r}")
+    raise TypeError(f"recall must be False, \"turns\", True / \"full\", a dict or a RecallConfig, got {value!r}")
